@@ -1,0 +1,23 @@
+"""dflash-server: DFlash block-diffusion speculative decoding on MLX, served OpenAI-style.
+
+The Python API mirrors the reference ``dflash.model_mlx`` module: code written against it runs with
+only its import line changed.
+"""
+
+from dflash_server.generation.sampling import SamplingParams
+from dflash_server.generation.speculative import SpeculativeStats
+from dflash_server.generation.stream import GenerationResponse, stream_generate
+from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash_server.models.loading import load, load_draft
+
+__all__ = [
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "GenerationResponse",
+    "SamplingParams",
+    "SpeculativeStats",
+    "load",
+    "load_draft",
+    "stream_generate",
+]
+__version__ = "0.1.0"

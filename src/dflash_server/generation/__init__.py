@@ -1,0 +1,1 @@
+"""The generation core: target wrapper, exact rollback, sampling, the DFlash loop."""

@@ -1,0 +1,113 @@
+"""Exact rollback of target caches after a partially accepted block (FACTS §5, option c).
+
+Attention caches are trimmed. Gated DeltaNet layers keep a recurrent state that cannot be trimmed,
+so during verify we record each layer's recurrence inputs (normalised q, k, v and the gates a, b)
+and its conv input; rollback replays only the recurrence over the kept prefix from the pre-verify
+state, and re-slices the conv window. No second target forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_ACTIVE: CacheRollback | None = None  # the recorder of the verify pass in flight (one MLX thread)
+_CONV_CLASSES: dict[type, type] = {}
+
+
+def _recording_update(original: Any) -> Any:
+    """Wrap mlx-lm's ``gated_delta_update``; a pass-through unless a verify is being recorded."""
+
+    def gated_delta_update(*args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE is not None:
+            _ACTIVE._updates.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    gated_delta_update._dflash_original = original  # type: ignore[attr-defined]
+    return gated_delta_update
+
+
+def _recording_conv(cls: type) -> type:
+    if cls not in _CONV_CLASSES:
+
+        def __call__(self: Any, x: mx.array) -> mx.array:
+            if _ACTIVE is not None:
+                _ACTIVE._conv_inputs.append(x)
+            return cls.__call__(self, x)
+
+        _CONV_CLASSES[cls] = type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__})
+    return _CONV_CLASSES[cls]
+
+
+def _install_recorders(gdn: nn.Module) -> None:
+    module = sys.modules[type(gdn).__module__]
+    update = module.gated_delta_update
+    if not hasattr(update, "_dflash_original"):
+        module.gated_delta_update = _recording_update(update)
+    conv = gdn.conv1d
+    if type(conv) not in _CONV_CLASSES.values():
+        conv.__class__ = _recording_conv(type(conv))
+
+
+class CacheRollback:
+    """Records a verify pass and rolls the target cache back to its first ``keep`` positions."""
+
+    def __init__(self, layers: list[nn.Module], cache: list[Any]):
+        self.cache = cache
+        self.linear: list[tuple[Any, nn.Module]] = []  # (ArraysCache, GatedDeltaNet)
+        for layer, c in zip(layers, cache):
+            if c.is_trimmable():
+                continue
+            gdn = getattr(layer, "linear_attn", None)
+            if gdn is None or not hasattr(gdn, "conv1d"):
+                raise ValueError(
+                    f"cannot roll back the {type(c).__name__} of layer {type(layer).__name__}: "
+                    "DFlash supports trimmable KV caches and Gated DeltaNet (Qwen3.5/Qwen3-Next)"
+                )
+            _install_recorders(gdn)
+            self.linear.append((c, gdn))
+        self._updates: list[tuple[tuple, dict]] = []
+        self._conv_inputs: list[mx.array] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record the recurrence inputs of the forward pass run inside this block."""
+        global _ACTIVE
+        self._updates, self._conv_inputs = [], []
+        if not self.linear:
+            yield
+            return
+        _ACTIVE = self
+        try:
+            yield
+        finally:
+            _ACTIVE = None
+
+    def rollback(self, keep: int, fed: int) -> None:
+        """The last forward fed ``fed`` positions; keep only the first ``keep`` of them."""
+        trim = fed - keep
+        if trim <= 0:
+            return
+        for c in self.cache:
+            if c.is_trimmable():
+                c.trim(trim)
+        if len(self._updates) != len(self.linear) or len(self._conv_inputs) != len(self.linear):
+            raise RuntimeError("rollback needs the recording of the last verify pass")
+        for (c, gdn), (args, kwargs), conv_input in zip(
+            self.linear, self._updates, self._conv_inputs
+        ):
+            q, k, v, a, b, A_log, dt_bias, state = args[:8]
+            kwargs = {key: val for key, val in kwargs.items() if key != "mask"}
+            replay = sys.modules[type(gdn).__module__].gated_delta_update._dflash_original
+            _, c[1] = replay(
+                q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],
+                A_log, dt_bias, state, None, **kwargs,
+            )  # fmt: skip
+            # conv_input = [old window (K-1 rows) | fed rows]; the window after `keep` rows:
+            window = conv_input.shape[1] - fed
+            c[0] = mx.contiguous(conv_input[:, keep : keep + window])

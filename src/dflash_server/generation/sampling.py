@@ -1,0 +1,145 @@
+"""Sampling parameters, the target's processed distribution, and the acceptance rule.
+
+"Processed" means exactly what mlx-lm's ``generate_step`` samples from: logits processors
+(penalties, logit bias) with the token history of that position, log-softmax, then top-p, min-p,
+top-k filters, then temperature. Speculation must leave that distribution unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    penalty_context_size: int = 20  # mlx-lm's default window for all three penalties
+    logit_bias: dict[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", (self.repetition_penalty or 1) > 0, "> 0"),
+            ("penalty_context_size", self.penalty_context_size > 0, "> 0"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class TokenSampler:
+    """Turns logits into tokens under ``SamplingParams``; all on device, no host syncs."""
+
+    def __init__(self, params: SamplingParams, seed: int | None = None):
+        self.params = params
+        n = params.penalty_context_size
+        self.processors = make_logits_processors(
+            params.logit_bias,
+            params.repetition_penalty,
+            n,
+            params.presence_penalty,
+            n,
+            params.frequency_penalty,
+            n,
+        )
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        self._key = mx.random.key(seed)
+
+    def _next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def process(self, logits: mx.array, history: mx.array) -> mx.array:
+        """Apply the logits processors to every row with the same ``history``."""
+        for processor in self.processors:
+            logits = processor(history, logits)
+        return logits
+
+    def process_rows(self, logits: mx.array, history: mx.array, drafts: mx.array) -> mx.array:
+        """Row i sees ``history + drafts[:i]``, as plain decoding would at that position."""
+        if not self.processors:
+            return logits
+        drafts = drafts.astype(history.dtype)
+        rows = [self.process(logits[:1], history)] + [
+            self.process(logits[i : i + 1], mx.concatenate([history, drafts[:i]]))
+            for i in range(1, logits.shape[0])
+        ]
+        return mx.concatenate(rows, axis=0)
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """Log-probabilities of the distribution actually sampled from (filters + temperature)."""
+        p = self.params
+        x = logits.astype(mx.float32)
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if 0 < p.top_p < 1:
+            x = apply_top_p(x, p.top_p)
+        if p.min_p != 0:
+            x = apply_min_p(x, p.min_p)
+        if 0 < p.top_k < x.shape[-1]:
+            x = apply_top_k(x, p.top_k)
+        x = x * (1 / p.temperature)
+        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """One token per row of already-processed logits."""
+        if self.params.greedy:
+            return mx.argmax(logits, axis=-1)
+        return mx.random.categorical(self.logprobs(logits), key=self._next_key())
+
+    def propose(
+        self, draft_logits: mx.array, history: mx.array
+    ) -> tuple[mx.array, mx.array | None]:
+        """Draft tokens and, when sampling, the log-probs ``log q`` they were drawn from."""
+        logits = self.process(draft_logits, history)
+        if self.params.greedy:
+            return mx.argmax(logits, axis=-1), None
+        log_q = self.logprobs(logits)
+        return mx.random.categorical(log_q, key=self._next_key()), log_q
+
+    def accept(
+        self,
+        target_logits: mx.array,
+        drafts: mx.array,
+        log_q: mx.array | None,
+    ) -> tuple[mx.array, mx.array]:
+        """(number of accepted drafts, bonus token) for a verified block, both on device.
+
+        ``target_logits`` [B, V] are processed; row i scores the token after block position i.
+        """
+        if self.params.greedy:
+            # Greedy: a draft survives while it equals the target's argmax; the bonus is that argmax.
+            target = mx.argmax(target_logits, axis=-1)
+            n = mx.cumprod(drafts == target[:-1]).sum()
+            return n, target[n]
+        log_p = self.logprobs(target_logits)
+        rows = mx.arange(drafts.shape[0])
+        p_d, q_d = mx.exp(log_p[rows, drafts]), mx.exp(log_q[rows, drafts])
+        # Accept d_i with probability min(1, p(d_i) / q(d_i)), stopping at the first rejection.
+        u = mx.random.uniform(shape=drafts.shape, key=self._next_key())
+        n = mx.cumprod(u * q_d < p_d).sum()
+        # On rejection at i, resample from norm(max(0, p_i - q_i)); after B-1 accepts, from p_B.
+        residual = mx.maximum(mx.exp(log_p[:-1]) - mx.exp(log_q), 0)
+        mass = residual.sum(axis=-1, keepdims=True)
+        residual = mx.where(mass > 0, mx.log(residual), log_p[:-1])
+        choices = mx.concatenate([residual, log_p[-1:]], axis=0)
+        bonus = mx.random.categorical(choices, key=self._next_key())
+        return n, bonus[n]

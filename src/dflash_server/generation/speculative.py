@@ -1,0 +1,210 @@
+"""The DFlash draft/verify loop, token ids in, committed token ids out.
+
+One cycle: the drafter proposes ``B-1`` tokens in one pass from ``[last, mask, ...]``; the target
+scores ``[last, d1..d(B-1)]`` in one pass; the longest agreeing prefix plus one target token (the
+bonus) is committed. Caches are rolled back to "prompt + committed", and the taps of the committed
+positions become the drafter's new context. All MLX work runs on mlx-lm's generation stream with one
+host sync per cycle; the next cycle is queued before the caller sees this cycle's tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from dflash_server.generation.sampling import TokenSampler
+from dflash_server.generation.target import TargetModel
+from dflash_server.models.drafter import DFlashDraftModel
+
+
+@dataclass
+class SpeculativeStats:
+    """Per-request speculation counters; ``tau`` is committed tokens per cycle."""
+
+    block_size: int
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # index = accepted drafts
+    timings: dict[str, float] | None = None  # seconds per phase, only when profiling
+
+    def __post_init__(self) -> None:
+        if not self.acceptance_histogram:
+            self.acceptance_histogram = [0] * max(self.block_size, 1)
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.cycles += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.acceptance_histogram[accepted] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {
+            "block_size": self.block_size,
+            "cycles": self.cycles,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tau": round(self.tau, 4),
+            "acceptance_histogram": list(self.acceptance_histogram),
+        }
+        if self.timings is not None:
+            out["timings"] = {k: round(v, 6) for k, v in self.timings.items()}
+        return out
+
+
+@dataclass
+class _Cycle:
+    """A queued cycle: device results plus what the host needs to read them."""
+
+    result: mx.array  # [accepted, bonus, d1..d(B-1)]
+    taps: mx.array | None  # [1, B, L*H] tapped target features of the verify input
+    size: int  # B, positions fed to the target
+
+
+class SpeculativeDecoder:
+    """Runs one request's prefill and cycles; ``draft=None`` means plain decoding (B = 1)."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: DFlashDraftModel | None,
+        sampler: TokenSampler,
+        block_size: int,
+        prefill_step_size: int = 2048,
+        profile: bool = False,
+    ):
+        self.target, self.draft, self.sampler = target, draft, sampler
+        self.block_size = block_size if draft is not None else 1
+        self.prefill_step_size = prefill_step_size
+        self.cache = target.make_cache()
+        self.rollback = target.make_rollback(self.cache)
+        self.draft_cache = draft.make_cache() if draft is not None else None
+        self.stats = SpeculativeStats(self.block_size, timings={} if profile else None)
+        self._history: list[int] = []  # token ids the penalties look back over
+        self._context: mx.array | None = None  # committed taps not yet given to the drafter
+
+    # -- phases -------------------------------------------------------------------------------
+
+    def _timed(self, phase: str, *arrays: Any) -> None:
+        """In profiling mode, evaluate a phase on its own and charge its wall time."""
+        timings = self.stats.timings
+        if timings is None:
+            return
+        start = time.perf_counter()
+        mx.eval(*arrays)
+        timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - start
+
+    def _history_tail(self) -> mx.array:
+        return mx.array(self._history[-self.sampler.params.penalty_context_size :])
+
+    def prefill(self, prompt: list[int]) -> mx.array:
+        """Feed the prompt in chunks; return the first sampled token (lazy, shape [1])."""
+        self._history = list(prompt)
+        tokens = mx.array(prompt)[None]
+        step = max(1, self.prefill_step_size)
+        with mx.stream(generation_stream):
+            for start in range(0, len(prompt), step):
+                last = start + step >= len(prompt)
+                rows = slice(-1, None) if last else None
+                logits, taps = self.target.forward(
+                    tokens[:, start : start + step], self.cache, rows
+                )
+                if self.draft is not None:
+                    self.draft.append_context(taps, self.draft_cache)
+                if not last:  # bound peak memory: materialise this chunk before the next
+                    mx.eval([c.state for c in self.cache], *self._draft_state())
+                    mx.clear_cache()
+            first = self.sampler.sample(self.sampler.process(logits[0], self._history_tail()))
+        return first
+
+    def _draft_state(self) -> list[Any]:
+        return [c.state for c in self.draft_cache] if self.draft_cache is not None else []
+
+    def _queue_cycle(self, last: mx.array, size: int) -> _Cycle:
+        """Build (lazily) and start one draft/verify cycle of ``size`` positions."""
+        with mx.stream(generation_stream):
+            history = self._history_tail() if self.sampler.processors else None
+            if size == 1:  # plain decoding step, no drafter
+                logits, taps = self.target.forward(last[None], self.cache, slice(None))
+                bonus = self.sampler.sample(self.sampler.process(logits[0], history))
+                result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
+            else:
+                mask = mx.full((size - 1,), self.draft.config.mask_token_id, dtype=last.dtype)
+                block = mx.concatenate([last, mask])[None]
+                context, self._context = self._context, None
+                draft_logits = self.draft(block, context, self.draft_cache, logits_start=1)[0]
+                drafts, log_q = self.sampler.propose(draft_logits, history)
+                self._timed("draft", drafts)
+                verify_input = mx.concatenate([last, drafts.astype(last.dtype)])
+                with self.rollback.recording():
+                    logits, taps = self.target.forward(verify_input[None], self.cache, slice(None))
+                logits = self.sampler.process_rows(logits[0], history, drafts)
+                accepted, bonus = self.sampler.accept(logits, drafts, log_q)
+                result = mx.concatenate(
+                    [mx.stack([accepted, bonus]).astype(mx.int32), drafts.astype(mx.int32)]
+                )
+                self._timed("verify", result, taps)
+        mx.async_eval(result, *([] if taps is None else [taps]))
+        return _Cycle(result, taps, size)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _read(self, cycle: _Cycle) -> tuple[list[int], mx.array]:
+        """Sync on a cycle, commit its tokens, roll caches back; return (tokens, next anchor)."""
+        values = cycle.result.tolist()  # the one host sync per cycle
+        accepted, bonus = values[0], values[1]
+        self.stats.record(cycle.size - 1, accepted)
+        with mx.stream(generation_stream):
+            self.rollback.rollback(keep=accepted + 1, fed=cycle.size)
+            if self.draft is not None:  # the committed positions' taps are the next context
+                taps = cycle.taps[:, : accepted + 1]
+                self._context = (
+                    taps if self._context is None else mx.concatenate([self._context, taps], axis=1)
+                )
+            self._timed("rollback", [c.state for c in self.cache])
+        return [*values[2 : 2 + accepted], bonus], mx.array([bonus], dtype=mx.int32)
+
+    def generate(
+        self, prompt: list[int], max_tokens: int, eos_ids: set[int] | frozenset[int] = frozenset()
+    ) -> Iterator[list[int]]:
+        """Yield lists of committed tokens (the first list is the prefill's token).
+
+        Stops after ``max_tokens`` tokens or an EOS id (the EOS itself is yielded last).
+        """
+        if max_tokens <= 0:
+            return
+        last = self.prefill(prompt)
+        committed, produced = [last.item()], 0
+        # Plain decoding without penalties can queue step n+1 before reading step n.
+        lookahead = self.block_size == 1 and not self.sampler.processors
+        queued: _Cycle | None = None
+        while True:
+            committed = committed[: max_tokens - produced]
+            for i, token in enumerate(committed):
+                if token in eos_ids:
+                    committed = committed[: i + 1]
+                    break
+            produced += len(committed)
+            self._history.extend(committed)
+            if produced >= max_tokens or committed[-1] in eos_ids:
+                yield committed
+                return
+            cycle = queued or self._queue_cycle(last, min(self.block_size, max_tokens - produced))
+            yield committed
+            if lookahead:
+                queued = self._queue_cycle(cycle.result[1:2], 1)
+            committed, last = self._read(cycle)

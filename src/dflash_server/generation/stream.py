@@ -1,0 +1,177 @@
+"""``stream_generate``: the public generation API, text in and text segments out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import SpeculativeDecoder, SpeculativeStats
+from dflash_server.generation.target import TargetModel
+from dflash_server.models.drafter import DFlashDraftModel
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed step: the text and tokens committed since the previous response."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str | None  # None while running, then "stop" (EOS / stop string) or "length"
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    stats: SpeculativeStats = field(repr=False, default=None)  # type: ignore[assignment]
+
+    @property
+    def token(self) -> int | None:
+        return self.tokens[-1] if self.tokens else None
+
+
+_TARGETS: dict[tuple[int, tuple[int, ...]], TargetModel] = {}
+
+
+def _target_for(model: nn.Module, tap_ids: tuple[int, ...]) -> TargetModel:
+    """One tapped wrapper per (model, taps): wrapping is cheap but only needs doing once."""
+    key = (id(model), tap_ids)
+    wrapped = _TARGETS.get(key)
+    if wrapped is None or wrapped.model is not model:
+        wrapped = _TARGETS[key] = TargetModel(model, tap_ids)
+    return wrapped
+
+
+def _encode(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array) -> list[int]:
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        return tokenizer.encode(
+            prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
+        )
+    ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    return [int(t) for t in ids]
+
+
+class _StopMatcher:
+    """Holds back text that could still become a stop string; never emits past one."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def stream_generate(
+    model: nn.Module,
+    draft: DFlashDraftModel | None,
+    tokenizer: TokenizerWrapper,
+    prompt: str | Sequence[int] | mx.array,
+    block_size: int | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    stop: str | Sequence[str] | None = None,
+    seed: int | None = None,
+    prefill_step_size: int = 2048,
+    logit_bias: dict[int, float] | None = None,
+    profile: bool = False,
+) -> Iterator[GenerationResponse]:
+    """Generate with DFlash speculative decoding (``draft=None``: plain decoding).
+
+    The output is exactly what the target alone would produce: identical tokens under greedy
+    decoding, the same distribution under sampling (see README, "Acceptance rule").
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+    )  # fmt: skip
+    prompt_ids = _encode(tokenizer, prompt)
+    if not prompt_ids:
+        raise ValueError("prompt is empty: give at least one token")
+    if draft is not None:
+        trained = draft.config.block_size
+        block_size = trained if block_size is None else int(block_size)
+        if not 2 <= block_size <= trained:
+            raise ValueError(
+                f"block_size must be in [2, {trained}] for this drafter, got {block_size}"
+            )
+        draft.bind(model)
+        target = _target_for(model, draft.config.target_layer_ids)
+    else:
+        target = _target_for(model, ())
+    decoder = SpeculativeDecoder(
+        target, draft, TokenSampler(params, seed), block_size or 1, prefill_step_size, profile
+    )
+    stops = _StopMatcher([stop] if isinstance(stop, str) else list(stop or []))
+    eos_ids = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+
+    tic = time.perf_counter()
+    prompt_tps, n = 0.0, 0
+    for committed in decoder.generate(prompt_ids, max_tokens, eos_ids):
+        if n == 0:
+            prompt_tps = len(prompt_ids) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        finish, tokens, text, hit = None, [], "", False
+        for token in committed:
+            if token in eos_ids:
+                finish = "stop"
+                break
+            tokens.append(token)
+            detokenizer.add_token(token)
+            segment, hit = stops.feed(detokenizer.last_segment)
+            text += segment
+            if hit:
+                finish = "stop"
+                break
+        n += len(tokens)
+        if finish is None and n >= max_tokens:
+            finish = "length"
+        if finish is not None and not hit:  # flush held-back bytes and text
+            detokenizer.finalize()
+            tail, hit = stops.feed(detokenizer.last_segment)
+            text += tail if hit else tail + stops.flush()
+            finish = "stop" if hit else finish
+        elapsed = max(time.perf_counter() - tic, 1e-9)
+        yield GenerationResponse(
+            text=text,
+            tokens=tokens,
+            finish_reason=finish,
+            prompt_tokens=len(prompt_ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / elapsed,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            stats=decoder.stats,
+        )
+        if finish is not None:
+            return
