@@ -7,8 +7,9 @@ states; the outer model applies ``lm_head`` (or the tied embedding).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
