@@ -1,0 +1,209 @@
+"""Check a request and turn it into a prompt plus generation parameters.
+
+Everything that can reject a request happens here, before any response starts, so a client
+always gets a proper status code instead of an error inside an already-open stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from starlette.concurrency import run_in_threadpool
+
+from dflash_server.api.errors import APIError
+from dflash_server.api.types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    unsupported_features,
+)
+from dflash_server.engine.prompts import Prompt, PromptError, render_chat, render_completion
+from dflash_server.engine.worker import Engine, GenerationParams
+from dflash_server.settings import Settings
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready to become an engine job."""
+
+    kind: Literal["chat", "completion"]
+    prompt: Prompt
+    params: GenerationParams
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+def check_model(requested: str | None, settings: Settings) -> None:
+    """404 unless the request names the served model (or its target id); None means default."""
+    if requested is None or requested in {settings.model_id, settings.target}:
+        return
+    raise APIError(
+        404,
+        f"model {requested!r} is not served here; available: {settings.model_id!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _check_request(req: SamplingFields, settings: Settings, engine: Engine) -> None:
+    check_model(req.model, settings)
+    problem = unsupported_features(req)
+    if problem is not None:
+        param, message = problem
+        raise APIError(400, message, param=param, code="unsupported_parameter")
+    if engine.state != "ready" or engine.models is None:
+        message = engine.error or "models are still loading; retry shortly (see GET /health)"
+        raise APIError(503, message, code="model_not_ready", headers={"Retry-After": "5"})
+
+
+def _message_dict(msg: ChatMessage, index: int) -> dict[str, Any]:
+    """A template-ready message: text parts joined, 'developer' read as 'system'."""
+    content = msg.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    400,
+                    f"content part type {part.type!r} is not supported; only text parts are",
+                    param=f"messages.{index}.content",
+                    code="unsupported_content",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    out: dict[str, Any] = {
+        "role": "system" if msg.role == "developer" else msg.role,
+        "content": content if content is not None else "",
+    }
+    reasoning = msg.reasoning_content or msg.reasoning
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    for key in ("name", "tool_calls", "tool_call_id"):
+        value = getattr(msg, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _thinking(req: ChatCompletionRequest, default: bool) -> bool:
+    """chat_template_kwargs.enable_thinking > enable_thinking > reasoning_effort > default."""
+    kwargs = req.chat_template_kwargs or {}
+    if "enable_thinking" in kwargs:
+        return bool(kwargs["enable_thinking"])
+    if req.enable_thinking is not None:
+        return req.enable_thinking
+    if req.reasoning_effort is not None:
+        return req.reasoning_effort.lower() not in ("none", "minimal")
+    return default
+
+
+def _params(
+    req: SamplingFields, settings: Settings, engine: Engine, prompt_len: int, max_tokens: int | None
+) -> GenerationParams:
+    assert engine.models is not None
+    ctx = engine.models.context_length
+    room = ctx - prompt_len
+    if room <= 0:
+        raise APIError(
+            400,
+            f"prompt is {prompt_len} tokens, the context limit is {ctx}: shorten it",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    speculative = settings.speculative if req.speculative is None else req.speculative
+    block_size = req.block_size if req.block_size is not None else settings.block_size
+    trained = engine.models.draft_block_size
+    if req.block_size is not None and speculative:
+        if trained is None:
+            raise APIError(400, "no drafter is loaded, block_size cannot apply", param="block_size")
+        if not 2 <= req.block_size <= trained:
+            raise APIError(
+                400,
+                f"block_size must be between 2 and the drafter's {trained}",
+                param="block_size",
+                code="invalid_value",
+            )
+    if block_size is not None and trained is not None:
+        block_size = max(2, min(block_size, trained))
+    top_k = req.top_k if req.top_k is not None else settings.top_k
+    # Default: as many tokens as fit, so long answers are not cut off at an arbitrary cap.
+    limit = max_tokens or settings.max_tokens or room
+    return GenerationParams(
+        max_tokens=min(limit, room),
+        temperature=_pick(req.temperature, settings.temperature),
+        top_p=_pick(req.top_p, settings.top_p),
+        top_k=max(0, top_k),
+        min_p=_pick(req.min_p, settings.min_p),
+        repetition_penalty=_pick(req.repetition_penalty, settings.repetition_penalty),
+        presence_penalty=_pick(req.presence_penalty, settings.presence_penalty),
+        frequency_penalty=_pick(req.frequency_penalty, settings.frequency_penalty),
+        stop=tuple(req.stop or ()),
+        seed=req.seed,
+        block_size=block_size,
+        speculative=speculative and engine.models.draft is not None,
+    )
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: Engine) -> Prepared:
+    """Validate a chat request and render its prompt with the model's chat template."""
+    _check_request(req, settings, engine)
+    assert engine.models is not None
+    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
+    thinking = _thinking(req, settings.enable_thinking)
+    try:
+        # Templates and tokenizers are CPU work: keep them off the event loop.
+        prompt = await run_in_threadpool(
+            render_chat,
+            engine.models.tokenizer,
+            messages,
+            enable_thinking=thinking,
+            template_kwargs=kwargs,
+        )
+    except PromptError as exc:
+        raise APIError(400, str(exc), param="messages", code="invalid_messages") from exc
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return Prepared(
+        kind="chat",
+        prompt=prompt,
+        params=_params(req, settings, engine, len(prompt.tokens), max_tokens),
+        model=req.model or settings.model_id,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )
+
+
+async def prepare_completion(
+    req: CompletionRequest, settings: Settings, engine: Engine
+) -> Prepared:
+    """Validate a text completion request and tokenize its prompt as is."""
+    _check_request(req, settings, engine)
+    assert engine.models is not None
+    raw = (
+        req.prompt[0]
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str)
+        else req.prompt
+    )
+    if not raw:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    tokenizer = engine.models.tokenizer
+    if isinstance(raw, list):
+        vocab = engine.models.summary.get("vocab_size")
+        if vocab and any(not 0 <= t < vocab for t in raw):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
+    prompt = await run_in_threadpool(render_completion, tokenizer, raw)
+    return Prepared(
+        kind="completion",
+        prompt=prompt,
+        params=_params(req, settings, engine, len(prompt.tokens), req.max_tokens),
+        model=req.model or settings.model_id,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+    )

@@ -1,0 +1,243 @@
+"""Request and response shapes of the OpenAI-compatible API, plus the DFlash extensions.
+
+Requests accept the OpenAI fields; features this server cannot honour are rejected by
+``unsupported_features`` with a 400 naming the field, never silently ignored. Unknown extra
+fields are ignored, as the OpenAI SDKs send provider-specific ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SamplingFields(_Request):
+    """Sampling and DFlash fields shared by chat and text completions."""
+
+    model: str | None = Field(None, description="served model id (see /v1/models)")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    # DFlash extensions
+    block_size: int | None = Field(None, ge=1, description="draft block size for this request")
+    speculative: bool | None = Field(None, description="false: plain decoding, no drafter")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops or None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    """A content part; only ``{"type": "text"}`` parts are supported."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    enable_thinking: bool | None = Field(None, description="shortcut for chat_template_kwargs")
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = Field(None, description="'none' turns thinking off")
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] = Field(..., description="one prompt: text or token ids")
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# Fields of other servers that change what gets generated; accepting them silently would lie.
+_FOREIGN_FEATURES = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "grammar",
+    "json_schema",
+    "prediction",
+    "audio",
+)
+
+
+def unsupported_features(req: SamplingFields) -> tuple[str, str] | None:
+    """(param, message) for the first requested feature this server does not implement."""
+    if req.n not in (None, 1):
+        return "n", "only n=1 is supported (one completion per request)"
+    if req.logprobs not in (None, False, 0):
+        return "logprobs", "logprobs are not supported"
+    if req.logit_bias:
+        return "logit_bias", "logit_bias is not supported"
+    extras = req.model_extra or {}
+    for name in _FOREIGN_FEATURES:
+        if extras.get(name) not in (None, False):
+            return name, f"{name} is not supported by this server"
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs:
+            return "top_logprobs", "logprobs are not supported"
+        if req.tools:
+            return "tools", "tool calling is not supported yet; send the request without tools"
+        if req.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool calling is not supported yet"
+        if req.functions or req.function_call not in (None, "none", "auto"):
+            return "functions", "function calling is not supported"
+        kind = (req.response_format or {}).get("type", "text")
+        if kind != "text":
+            return (
+                "response_format",
+                f"response_format {kind!r} (structured output) is not supported",
+            )
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            return "echo", "echo is not supported"
+        if req.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        if req.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        is_texts = isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str)
+        if is_texts and len(req.prompt) != 1:
+            return "prompt", "only one prompt per request is supported"
+    return None
+
+
+# ----- responses ---------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class DFlashStats(BaseModel):
+    """The ``dflash`` extension object on responses and on the final stream chunk."""
+
+    model_config = ConfigDict(extra="allow")
+    speculative: bool = Field(description="whether the drafter was used")
+    block_size: int | None = Field(None, description="draft block size used")
+    tau: float | None = Field(None, description="mean tokens committed per target forward")
+    cycles: int | None = Field(None, description="draft/verify cycles")
+    drafted: int | None = Field(None, description="draft tokens proposed")
+    accepted: int | None = Field(None, description="draft tokens accepted")
+    acceptance_rate: float | None = Field(None, description="accepted / drafted")
+    prompt_tps: float = Field(description="prefill tokens per second")
+    generation_tps: float = Field(description="output tokens per second")
+    peak_memory_gb: float = Field(description="peak MLX memory during the request")
+    queue_wait_s: float = Field(description="seconds spent waiting for the worker")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = Field(None, description="same text as reasoning_content")
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    dflash: DFlashStats | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    dflash: DFlashStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dflash-server"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+SamplingFields.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()

@@ -1,0 +1,1 @@
+"""Engine: the single MLX worker thread, its queue, prompt rendering and reasoning split."""

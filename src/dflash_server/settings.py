@@ -1,0 +1,202 @@
+"""Server settings: one pydantic-settings class.
+
+Precedence, highest first: command-line flags > environment (``DFLASH_*``) > config file
+(``--config``, TOML or JSON; a bare name picks a preset from ``configs/``) > defaults. When no
+layer names a model at all, the default preset supplies target and drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+DEFAULT_PRESET = "qwen3.5-4b"
+# Presets live at the repository root so users can read and copy them; an installed wheel
+# finds them only when run from a checkout, so --config also takes any file path.
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+class SettingsError(ValueError):
+    """A configuration problem the user can fix; the CLI prints it as one line."""
+
+
+def find_config(name_or_path: str | os.PathLike[str]) -> Path:
+    """Resolve ``--config``: an existing file, else a preset name (``qwen3.5-9b``) in configs/."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    for suffix in ("", ".toml", ".json"):
+        candidate = PRESETS_DIR / f"{name_or_path}{suffix}"
+        if candidate.is_file():
+            return candidate
+    raise SettingsError(
+        f"config file or preset {str(name_or_path)!r} not found "
+        f"(presets: {', '.join(list_presets()) or 'none'})"
+    )
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped in configs/."""
+    if not PRESETS_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Flat TOML/JSON mapping of setting names (dashes or underscores) to values."""
+    try:
+        if path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            data = tomllib.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SettingsError(f"cannot read config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"config {path} must hold a table of settings")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+# Set by Settings.load() when no layer names a model: the default preset then sits beneath
+# the user's config file inside the config-file layer.
+_BASE_PRESET: ContextVar[str | None] = ContextVar("_BASE_PRESET", default=None)
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The config-file layer; files are merged in order, later ones winning."""
+
+    def __init__(self, settings_cls: type[BaseSettings], paths: list[str]) -> None:
+        super().__init__(settings_cls)
+        self._data: dict[str, Any] = {}
+        for name in paths:
+            data = read_config_file(find_config(name))
+            unknown = sorted(set(data) - set(settings_cls.model_fields) - {"config"})
+            if unknown:
+                raise SettingsError(f"unknown setting(s) in config {name}: {', '.join(unknown)}")
+            self._data.update(data)
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+class Settings(BaseSettings):
+    """Everything `dflash-serve` can be told; see README "CLI reference"."""
+
+    model_config = SettingsConfigDict(env_prefix="DFLASH_", extra="forbid", validate_default=True)
+
+    # Models
+    target: str | None = Field(None, description="target model: HF repo id or local MLX folder")
+    draft: str | None = Field(None, description="DFlash drafter: HF repo id or local folder")
+    served_model_name: str | None = Field(
+        None, description="model id clients use (default: last part of --target)"
+    )
+    config: str | None = Field(None, description="TOML/JSON settings file or preset name")
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="CORS origins, comma separated ('*' for any)"
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    keepalive: float = Field(10.0, gt=0, description="seconds between SSE keepalive comments")
+
+    # Engine
+    max_queue: int = Field(8, ge=0, description="requests allowed to wait behind the running one")
+    context_length: int | None = Field(
+        None, gt=0, description="token limit for prompt + output (default: the model's)"
+    )
+    prefill_step_size: int = Field(2048, gt=0)
+
+    # Generation defaults, used when a request leaves the field out
+    block_size: int | None = Field(None, ge=1, description="draft block (default: drafter's)")
+    speculative: bool = Field(True, description="use the drafter (False: plain decoding)")
+    max_tokens: int | None = Field(
+        None, gt=0, description="default output cap (default: up to the context limit)"
+    )
+    enable_thinking: bool = True
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: Any) -> Any:
+        # Env vars and flags give one comma-separated string; config files give a list.
+        if isinstance(value, str):
+            return [o.strip() for o in value.split(",") if o.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check_models(self) -> Settings:
+        if (self.target is None) != (self.draft is None):
+            given, missing = ("target", "draft") if self.draft is None else ("draft", "target")
+            raise SettingsError(
+                f"--{given} was given without --{missing}: pass both, or neither to use the "
+                f"default preset ({DEFAULT_PRESET})"
+            )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        cli = getattr(init_settings, "init_kwargs", {})
+        config_path = cli.get("config") or os.environ.get("DFLASH_CONFIG")
+        paths = [p for p in (_BASE_PRESET.get(), config_path) if p]
+        return init_settings, env_settings, _ConfigFileSource(settings_cls, paths)
+
+    @classmethod
+    def load(cls, **cli: Any) -> Settings:
+        """Build settings from CLI values (None = not given) over env, config file, defaults.
+
+        When neither the CLI, the environment nor the config file names a model, the default
+        preset provides the models (and its other settings, below everything the user set).
+        """
+        cli = {k: v for k, v in cli.items() if v is not None}
+        config_path = cli.get("config") or os.environ.get("DFLASH_CONFIG")
+        file_data = read_config_file(find_config(config_path)) if config_path else {}
+        named = any(
+            key in cli or f"DFLASH_{key.upper()}" in os.environ or key in file_data
+            for key in ("target", "draft")
+        )
+        token = _BASE_PRESET.set(None if named else DEFAULT_PRESET)
+        try:
+            return cls(**cli)
+        finally:
+            _BASE_PRESET.reset(token)
+
+    @property
+    def model_id(self) -> str:
+        """The id served on /v1/models and accepted in the ``model`` field."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(str(self.target).rstrip("/")).name or str(self.target)
