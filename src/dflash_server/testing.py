@@ -1,0 +1,291 @@
+"""Offline builders of tiny random-weight models, for tests and benchmarks.
+
+The machines this project is developed and tested on have no Hugging Face Hub access, and real
+Qwen3.5 checkpoints are gigabytes. These helpers write, in milliseconds to seconds, model folders
+that ``mlx_lm.load`` reads exactly like a downloaded checkpoint: a byte-level BPE tokenizer trained
+on a small inline corpus with Qwen3.5's pre-tokenizer and chat template, plus random float32
+weights for the architectures the server targets (hybrid Gated DeltaNet ``qwen3_5``, its MoE
+variant, plain attention ``qwen3`` and ``llama``). Random weights say nothing about quality, but
+every code path (prefill, hybrid caches, rollback, sampling, the chat template, tool and thinking
+markers) runs for real.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+ARCHES = ("qwen3_5", "qwen3_5_moe", "qwen3", "llama")
+SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>")
+SPECIAL_TOKENS += ("</think>", "<tool_call>", "</tool_call>")
+# transformers' Qwen3_5Tokenizer split regex; transformers 5 rebuilds it for qwen3_5 folders.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_BPE_VOCAB = 352  # 256 byte symbols + ~96 merges, before the special tokens
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A speculative decoder drafts a block of tokens,
+and the target model verifies the whole block in one forward pass. When the draft agrees with
+the target, many tokens are accepted at once; otherwise the first mismatch is replaced by the
+target's own token. Hello, world! How are you today? I am fine, thank you. What is the capital
+of France? The capital of France is Paris. Let me think about this step by step.
+The answer is 42. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14 2.718.
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+for i in range(10):
+    print(f"value {i} = {fibonacci(i)}")
+
+class Server:
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000) -> None:
+        self.host = host
+        self.port = port
+
+    def run(self) -> None:
+        return None
+
+import json
+data = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "stream": true}
+print(json.dumps(data, indent=2))
+function add(a, b) { return a + b; }
+const result = add(1, 2); console.log(result);
+SELECT name, value FROM table WHERE id = 1 ORDER BY name;
+The weather is nice today and the sun is shining over the hills.
+"""
+
+_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format:"
+    "\\n\\n<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>"
+    "\\nvalue_1\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}{%- if not (tools and loop.first) %}"
+    "{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.role == 'user' %}"
+    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.reasoning_content %}"
+    "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message.content or '' }}"
+    "{%- for tc in message.tool_calls or [] %}"
+    "{%- set f = tc.function if tc.function is defined else tc %}"
+    "{{- '\\n<tool_call>\\n<function=' + f.name + '>\\n' }}"
+    "{%- if f.arguments is mapping %}{%- for k, v in f.arguments.items() %}"
+    "{{- '<parameter=' + k + '>\\n' + (v if v is string else v | tojson) + '\\n</parameter>\\n' }}"
+    "{%- endfor %}{%- else %}{{- f.arguments ~ '\\n' }}{%- endif %}"
+    "{{- '</function>\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def build_tokenizer(path: Path) -> None:
+    """Train a tiny byte-level BPE and write tokenizer.json + tokenizer_config.json to ``path``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BPE_VOCAB,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))  # appended after the BPE vocab, as in Qwen
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    flags = dict.fromkeys(("lstrip", "normalized", "rstrip", "single_word"), False)
+    added = {
+        str(tok.token_to_id(t)): {"content": t, **flags, "special": True} for t in SPECIAL_TOKENS
+    }
+    config = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "chat_template": _CHAT_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "model_max_length": 262144,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def tokenizer_size(path: Path) -> int:
+    """Number of named token ids (BPE vocab plus special tokens) in ``path/tokenizer.json``."""
+    data = json.loads((path / "tokenizer.json").read_text())
+    ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data["added_tokens"]]
+    return max(ids) + 1
+
+
+def mask_token_id(path: Path) -> int:
+    """A free embedding row past the named tokens, for the DFlash ``mask_token_id``.
+
+    Like the real Qwen3.5 (mask 248070 right after ``</think>`` and friends), it is the first id
+    the tokenizer never produces; ``build_target`` always leaves such rows in the embedding.
+    """
+    return tokenizer_size(path)
+
+
+def _text_config(
+    arch: str, hidden: int, layers: int, inter: int, vocab: int, tie: bool
+) -> dict[str, Any]:
+    heads, kv_heads = (4, 2) if hidden < 512 else (max(4, hidden // 64), max(2, hidden // 256))
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": 16 if hidden < 512 else 64,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": tie,
+        "hidden_act": "silu",
+    }
+    if arch in ("qwen3", "llama"):
+        cfg.update(rope_theta=1_000_000.0 if arch == "qwen3" else 10_000.0)
+        return cfg
+    lin_dim = 16 if hidden < 512 else 64
+    cfg.update(
+        model_type=f"{arch}_text",
+        full_attention_interval=4,
+        linear_num_value_heads=4 if hidden < 512 else hidden // 64,
+        linear_num_key_heads=2 if hidden < 512 else hidden // 128,
+        linear_key_head_dim=lin_dim,
+        linear_value_head_dim=lin_dim,
+        linear_conv_kernel_dim=4,
+        layer_types=[
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)
+        ],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    )
+    if arch == "qwen3_5_moe":
+        cfg.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=inter,
+            shared_expert_intermediate_size=inter,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+    return cfg
+
+
+def build_target(
+    path: Path,
+    *,
+    arch: str = "qwen3_5",
+    hidden_size: int = 64,
+    num_hidden_layers: int = 4,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = False,
+    nested_text_config: bool = True,
+    seed: int = 0,
+    quantize_bits: int | None = None,
+) -> Path:
+    """Write a random float32 mlx-lm model folder (config, weights, tokenizer); return ``path``.
+
+    ``vocab_size`` (embedding rows) defaults to the tokenizer size rounded up to a multiple of 64
+    with at least 16 spare rows; ``mask_token_id(path)`` is the first spare row. A larger
+    override (e.g. 32k for a ~100M benchmark model) leaves the tokenizer small. ``quantize_bits``
+    quantizes (affine, group 64) the layers whose input width allows it, like ``mlx_lm.convert``.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
+    path = Path(path)
+    build_tokenizer(path)
+    n_tok = tokenizer_size(path)
+    vocab = vocab_size or -(-(n_tok + 16) // 64) * 64
+    if vocab <= n_tok:
+        raise ValueError(f"vocab_size {vocab} leaves no free row past {n_tok} named tokens")
+    inter = intermediate_size or 3 * hidden_size
+    text = _text_config(arch, hidden_size, num_hidden_layers, inter, vocab, tie_word_embeddings)
+    eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    eos_id = next(t["id"] for t in eos if t["content"] == "<|im_end|>")
+    if arch in ("qwen3_5", "qwen3_5_moe") and nested_text_config:
+        config: dict[str, Any] = {
+            "model_type": arch,
+            "architectures": [f"Qwen3_5{'Moe' * (arch == 'qwen3_5_moe')}ForConditionalGeneration"],
+            "text_config": text,
+            "tie_word_embeddings": tie_word_embeddings,
+        }
+    else:
+        config = {**text, "model_type": arch}
+    config["eos_token_id"] = eos_id
+
+    mx.random.seed(seed)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(copy.deepcopy(config)))
+    model.set_dtype(mx.float32)
+    # Random layers wash out the input token; larger embeddings keep it visible, so greedy decoding
+    # wanders like a random bigram model instead of repeating one token. A tied head scores the
+    # input token against itself: smaller embeddings and a negative final-norm gain break that.
+    # Special and spare ids (the mask id included) get zero (untied) or tiny (tied) head rows, so
+    # greedy decoding never picks them: no random EOS, tool call or think marker (sampling may).
+    lm = getattr(model, "language_model", model)
+    emb, norm = lm.model.embed_tokens, lm.model.norm
+    gain = mx.random.normal(norm.weight.shape, dtype=mx.float32)
+    norm.weight = -mx.abs(gain) if tie_word_embeddings else gain
+    std = 0.15 if tie_word_embeddings else 1.0
+    emb.weight = mx.random.normal(emb.weight.shape, dtype=mx.float32) * std
+    n_bpe = n_tok - len(SPECIAL_TOKENS)
+    if tie_word_embeddings:
+        emb.weight[n_bpe:] *= 0.05
+    else:
+        lm.lm_head.weight[n_bpe:] = 0.0
+    if quantize_bits is not None:
+        config["quantization"] = {"group_size": 64, "bits": quantize_bits, "mode": "affine"}
+        custom = getattr(model, "quant_predicate", None)
+
+        def predicate(p: str, m: nn.Module) -> bool | dict[str, Any]:
+            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % 64:
+                return False
+            res = custom(p, m) if custom is not None else True
+            if isinstance(res, dict):
+                config["quantization"][p] = res
+            return res
+
+        nn.quantize(model, 64, quantize_bits, mode="affine", class_predicate=predicate)
+    mx.eval(model.parameters())
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    return path

@@ -1,0 +1,43 @@
+"""Shared pytest fixtures: tiny random-weight models built offline, once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before any hub-aware import: tests never touch the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_server.testing import build_target
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random qwen3_5 (Gated DeltaNet + full attention every 4th layer) model folder."""
+    return build_target(tmp_path_factory.mktemp("models") / "tiny-qwen3_5", arch="qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_attn_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random qwen3 (plain attention) model folder."""
+    return build_target(tmp_path_factory.mktemp("models") / "tiny-qwen3", arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tiny_hybrid_path: Path) -> tuple[Any, Any]:
+    """``mlx_lm.load(tiny_hybrid_path)``: (model, TokenizerWrapper)."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_hybrid_path))
+
+
+@pytest.fixture(scope="session")
+def tiny_attn(tiny_attn_path: Path) -> tuple[Any, Any]:
+    """``mlx_lm.load(tiny_attn_path)``: (model, TokenizerWrapper)."""
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_attn_path))
