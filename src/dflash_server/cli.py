@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -170,7 +171,9 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
     )
     server = uvicorn.Server(config)
     log.info("loading %s + %s", settings.target, settings.draft)
-    server.run()
+    # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
     if failure:
         print(f"dflash-serve: error: {failure[0]}", file=sys.stderr)
         return 1

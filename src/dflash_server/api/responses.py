@@ -138,12 +138,15 @@ async def collect_response(
     """Run a job to the end and build the whole response; None if the client went away."""
     parts: list[str] = []
     done: Finished | None = None
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
         while done is None:
             batch = await job.next_events(timeout=DISCONNECT_POLL_S)
-            if batch is None:
+            if time.monotonic() >= next_check:  # by the clock: events may never pause
                 if await is_disconnected():
                     return None
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+            if batch is None:
                 continue
             if not batch:
                 break

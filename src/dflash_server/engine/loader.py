@@ -142,7 +142,7 @@ def load_models(
     target_cfg = _read_config(target_path)
     summary: dict[str, Any] = {
         "target": target_label,
-        "target_weights_gb": round(_weights_gb(model), 3),
+        "target_weights_gb": round(_weights_gb(model), 4),
         "target_quantization": _quant(target_cfg),
         "target_type": target_cfg.get("model_type", "?"),
         "vocab_size": _vocab_size(target_cfg),
@@ -158,7 +158,7 @@ def load_models(
         draft_cfg = _read_config(draft_path)
         summary.update(
             draft=draft_label,
-            draft_weights_gb=round(_weights_gb(drafter), 3),
+            draft_weights_gb=round(_weights_gb(drafter), 4),
             draft_quantization=_quant(draft_cfg),
             block_size=int(drafter.config.block_size),
             draft_layers=int(drafter.config.num_hidden_layers),
@@ -167,26 +167,30 @@ def load_models(
     model_ctx = _model_context(target_cfg) or DEFAULT_CONTEXT
     ctx = min(context_length, model_ctx) if context_length else model_ctx
     summary["context_length"] = ctx
-    summary["active_memory_gb"] = round(mx.get_active_memory() / 1e9, 3)
+    summary["active_memory_gb"] = round(mx.get_active_memory() / 1e9, 4)
     return LoadedModels(model, tokenizer, drafter, ctx, summary)
+
+
+def _size(gb: float) -> str:
+    return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
 
 
 def describe(summary: dict[str, Any]) -> str:
     """One startup log line per model, so users see exactly what they are serving."""
     lines = [
         f"target {summary['target']}: {summary['target_type']}, "
-        f"{summary['target_weights_gb']:.2f} GB weights, {summary['target_quantization']}, "
+        f"{_size(summary['target_weights_gb'])} weights, {summary['target_quantization']}, "
         f"context {summary['context_length']}"
     ]
     if "draft" in summary:
         lines.append(
             f"draft {summary['draft']}: {summary['draft_layers']} layers, "
-            f"{summary['draft_weights_gb']:.2f} GB weights, {summary['draft_quantization']}, "
+            f"{_size(summary['draft_weights_gb'])} weights, {summary['draft_quantization']}, "
             f"block size {summary['block_size']}, taps {summary['target_layer_ids']}"
         )
     else:
         lines.append("no drafter: plain (non-speculative) decoding")
-    lines.append(f"MLX active memory after load: {summary['active_memory_gb']:.2f} GB")
+    lines.append(f"MLX active memory after load: {_size(summary['active_memory_gb'])}")
     return "\n".join(lines)
 
 

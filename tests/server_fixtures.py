@@ -1,0 +1,175 @@
+"""Helpers for the server tests: a tiny drafter folder and a real uvicorn on a loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def build_draft(path: Path, target_path: Path, *, block_size: int = 8, seed: int = 1) -> Path:
+    """Write a random DFlash drafter folder (config.json + safetensors) that fits ``target_path``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dflash_server import DFlashConfig, DFlashDraftModel
+    from dflash_server.testing import mask_token_id
+
+    cfg = json.loads((target_path / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    layers = text["num_hidden_layers"]
+    config = DFlashConfig(
+        hidden_size=text["hidden_size"],
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=2 * text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        rms_norm_eps=1e-6,
+        rope_theta=10_000_000.0,
+        max_position_embeddings=32768,
+        block_size=block_size,
+        target_layer_ids=(1, layers - 2),
+        num_target_layers=layers,
+        mask_token_id=mask_token_id(target_path),
+    )
+    mx.random.seed(seed)
+    model = DFlashDraftModel(config)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    base_url: str  # http://127.0.0.1:PORT
+    app: Any
+    server: Any
+
+    @property
+    def engine(self) -> Any:
+        return self.app.state.engine
+
+
+@contextlib.contextmanager
+def run_server(app: Any, ready_timeout: float = 60.0) -> Iterator[RunningServer]:
+    """Serve ``app`` with uvicorn on a free loopback port in a thread; wait until /health is 200."""
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError("test server did not become ready")
+        time.sleep(0.05)
+    try:
+        yield RunningServer(base, app, server)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@dataclass
+class FakeResponse:
+    """Quacks like dflash_server.GenerationResponse for scripted engine tests."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str | None
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0
+    stats: Any = None
+
+
+class ScriptedGenerate:
+    """A ``generate`` for Engine that replays text pieces, optionally slowly.
+
+    Records each call's kwargs and whether the generator was closed before its end, so tests
+    can check cancellation really stopped the work.
+    """
+
+    def __init__(self, pieces: list[str], delay: float = 0.0, first_delay: float = 0.0) -> None:
+        self.pieces, self.delay, self.first_delay = pieces, delay, first_delay
+        self.calls: list[dict[str, Any]] = []
+        self.closed_early = 0
+        self.finished = 0
+
+    def __call__(
+        self, model: Any, draft: Any, tokenizer: Any, prompt: Any, **kw: Any
+    ) -> Iterator[Any]:
+        self.calls.append({"draft": draft, "prompt": prompt, **kw})
+        return self._run(kw.get("max_tokens", 1 << 30))
+
+    def _run(self, max_tokens: int) -> Iterator[Any]:
+        time.sleep(self.first_delay)
+        pieces = self.pieces[:max_tokens]
+        done = False
+        try:
+            for i, piece in enumerate(pieces):
+                if i:
+                    time.sleep(self.delay)
+                done = i == len(pieces) - 1
+                reason = ("length" if len(pieces) == max_tokens else "stop") if done else None
+                yield FakeResponse(piece, [i], reason, generation_tokens=i + 1)
+        except GeneratorExit:
+            if not done:  # closed before its last response: cancelled
+                self.closed_early += 1
+            raise
+        finally:
+            self.finished += done
+
+
+def slow(generate: Any, delay: float) -> Any:
+    """Wrap a real ``stream_generate`` so each response takes at least ``delay`` seconds."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for response in generate(*args, **kwargs):
+            time.sleep(delay)
+            yield response
+
+    return wrapped
+
+
+def make_app(target: Path, draft: Path | None, *, generate: Any = None, **settings: Any) -> Any:
+    """An app serving the tiny fixture models; ``generate`` swaps stream_generate for a test double."""
+    from functools import partial
+
+    from dflash_server.api.app import create_app
+    from dflash_server.engine.loader import load_models
+    from dflash_server.engine.worker import Engine
+    from dflash_server.settings import Settings
+
+    s = Settings.load(target=str(target), draft=str(draft) if draft else None, **settings)
+    loader = partial(load_models, str(target), s.draft, s.context_length)
+    engine = Engine(loader, max_queue=s.max_queue, generate=generate)
+    return create_app(s, engine)

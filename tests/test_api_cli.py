@@ -1,0 +1,144 @@
+"""Settings precedence, presets and the ``dflash-serve`` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dflash_server.cli import build_parser, load_settings, main
+from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list_presets
+from server_fixtures import build_draft, free_port
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("DFLASH_"):
+            monkeypatch.delenv(key)
+
+
+def test_presets_ship_the_required_pairs() -> None:
+    presets = {name: Settings.load(config=name) for name in list_presets()}
+    pairs = {(s.target, s.draft) for s in presets.values()}
+    assert ("mlx-community/Qwen3.5-4B-bf16", "z-lab/Qwen3.5-4B-DFlash") in pairs
+    assert any(d == "z-lab/Qwen3.5-9B-DFlash" and "9B" in t for t, d in pairs)
+    assert any(d == "guglxni/Qwen3.5-9B-abliterated-DFlash" and "4bit" in t for t, d in pairs)
+
+
+def test_default_preset_when_no_model_is_named() -> None:
+    s = load_settings([])
+    preset = Settings.load(config=DEFAULT_PRESET)
+    assert (s.target, s.draft) == (preset.target, preset.draft)
+    assert s.model_id == preset.model_id and s.port == 8000 and s.host == "127.0.0.1"
+
+
+def test_precedence_cli_over_env_over_file_over_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "my.toml"
+    cfg.write_text(
+        'target = "file/target"\ndraft = "file/draft"\nport = 1111\nmax-queue = 3\n'
+        "top_k = 7\nenable_thinking = false\n"
+    )
+    monkeypatch.setenv("DFLASH_PORT", "2222")
+    monkeypatch.setenv("DFLASH_TOP_K", "9")
+    monkeypatch.setenv("DFLASH_ALLOWED_ORIGINS", "http://a.example, http://b.example")
+    s = load_settings(["--config", str(cfg), "--port", "3333", "--enable-thinking"])
+    assert s.port == 3333  # CLI beats env and file
+    assert s.top_k == 9  # env beats file
+    assert s.max_queue == 3 and s.target == "file/target"  # file beats defaults
+    assert s.enable_thinking is True
+    assert s.allowed_origins == ["http://a.example", "http://b.example"]
+    assert s.temperature == 1.0 and s.keepalive == 10.0  # defaults
+
+
+def test_env_config_and_json_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"target": "j/t", "draft": "j/d", "allowed_origins": ["*"]}))
+    monkeypatch.setenv("DFLASH_CONFIG", str(cfg))
+    s = load_settings(["--no-enable-thinking", "--served-model-name", "m"])
+    assert (s.target, s.allowed_origins, s.enable_thinking, s.model_id) == (
+        "j/t",
+        ["*"],
+        False,
+        "m",
+    )
+
+
+def test_config_without_models_keeps_default_models(tmp_path: Path) -> None:
+    cfg = tmp_path / "port.toml"
+    cfg.write_text("port = 9999\ntemperature = 0.5\n")
+    s = load_settings(["--config", str(cfg)])
+    assert s.port == 9999 and s.temperature == 0.5
+    assert s.target == Settings.load(config=DEFAULT_PRESET).target
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--target", "a/b"], "--target was given without --draft"),
+        (["--config", "no-such-preset"], "not found"),
+        (["--port", "99999"], "--port"),
+        (["--block-size", "0"], "--block-size"),
+    ],
+)
+def test_bad_settings_are_one_line(argv: list[str], needle: str) -> None:
+    with pytest.raises(SettingsError, match=needle):
+        load_settings(argv)
+
+
+def test_every_settings_field_has_a_flag() -> None:
+    flags = {a.dest for a in build_parser()._actions}
+    assert set(Settings.model_fields) <= flags
+
+
+def test_main_reports_errors_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--target", "a/b"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    missing = str(tmp_path / "missing")
+    assert main(["--target", missing, "--draft", missing]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-serve: error: target") and err.count("\n") == 1
+    # A hub id that cannot be fetched (tests run with HF_HUB_OFFLINE=1).
+    assert main(["--target", "nobody-xyz/model", "--draft", "nobody-xyz/drafter"]) == 1
+    err = capsys.readouterr().err
+    assert "nobody-xyz/model" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_dflash_serve_process_starts_logs_and_serves(
+    tiny_hybrid_path: Path, tmp_path: Path
+) -> None:
+    """The real command: startup log lines, /health, a chat request, clean Ctrl-C."""
+    draft = build_draft(tmp_path / "draft", tiny_hybrid_path)
+    port = free_port()
+    cmd = [sys.executable, "-m", "dflash_server.cli", "--target", str(tiny_hybrid_path)]
+    cmd += ["--draft", str(draft), "--port", str(port), "--served-model-name", "tiny"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "block size 8" in err and "weights" in err and "ready: serving 'tiny'" in err
