@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash_server.models.drafter import DFlashDraftModel
 
 ARCHES = ("qwen3_5", "qwen3_5_moe", "qwen3", "llama")
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>")
@@ -289,3 +293,79 @@ def build_target(
     save_model(path, model)
     save_config(config, path / "config.json")
     return path
+
+
+def random_drafter(
+    model: Any, *, block_size: int = 16, num_layers: int = 2, seed: int = 0
+) -> DFlashDraftModel:
+    """A random-weight DFlash drafter sized to ``model`` and bound to it (accepts ~nothing)."""
+    import mlx.core as mx
+
+    from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
+    from dflash_server.models.target_parts import find_target_parts
+
+    parts = find_target_parts(model)
+    n, H = parts.num_layers, parts.hidden_size
+    mx.random.seed(seed)
+    config = DFlashConfig(
+        hidden_size=H,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=2 * H,
+        vocab_size=parts.vocab_size,
+        rms_norm_eps=1e-6,
+        rope_theta=1e7,
+        max_position_embeddings=32768,
+        block_size=block_size,
+        target_layer_ids=tuple(sorted({min(1, n - 1), n // 2, n - 1})),
+        num_target_layers=n,
+        mask_token_id=parts.vocab_size - 1,
+    )
+    draft = DFlashDraftModel(config)
+    mx.eval(draft.parameters())
+    return draft.bind(model)
+
+
+class ReplayDrafter:
+    """Test double: drafts the target's own future tokens, with planted mistakes.
+
+    ``reference`` is prompt + the target's greedy output. In cycle c the first
+    ``accept_pattern[c % len]`` drafts are right and the next one is wrong, so every acceptance
+    length (and full blocks) can be forced. ``inner``, a real drafter, runs alongside on the same
+    context: it gives the config (block size, taps, mask id) and a realistic draft cost.
+    """
+
+    def __init__(
+        self, reference: Sequence[int], accept_pattern: Sequence[int], inner: DFlashDraftModel
+    ):
+        self.reference, self.pattern, self.inner = list(reference), list(accept_pattern), inner
+        self.config = inner.config
+        self.cycle = 0
+
+    def bind(self, target: Any) -> ReplayDrafter:
+        self.inner.bind(target)
+        return self
+
+    def make_cache(self) -> list[Any]:
+        return self.inner.make_cache()
+
+    def append_context(self, target_hidden: Any, cache: list[Any]) -> None:
+        self.inner.append_context(target_hidden, cache)
+
+    def __call__(self, block_ids: Any, target_hidden: Any, cache: list[Any], logits_start: int = 0):
+        import mlx.core as mx
+
+        real = self.inner(block_ids, target_hidden, cache, logits_start)
+        anchor = cache[0].offset  # absolute position of block position 0
+        right = self.pattern[self.cycle % len(self.pattern)]
+        self.cycle += 1
+        vocab = real.shape[-1]
+        planted = []
+        for j in range(block_ids.shape[1]):
+            token = self.reference[anchor + j] if anchor + j < len(self.reference) else 0
+            planted.append(token if j <= right else (token + 1) % vocab)
+        rows = mx.array(planted[logits_start:])
+        logits = mx.where(mx.arange(vocab) == rows[:, None], 30.0, -30.0)[None]
+        return logits + 0 * real  # keep the real draft in the graph so its cost is paid

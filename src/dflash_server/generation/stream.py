@@ -35,18 +35,6 @@ class GenerationResponse:
         return self.tokens[-1] if self.tokens else None
 
 
-_TARGETS: dict[tuple[int, tuple[int, ...]], TargetModel] = {}
-
-
-def _target_for(model: nn.Module, tap_ids: tuple[int, ...]) -> TargetModel:
-    """One tapped wrapper per (model, taps): wrapping is cheap but only needs doing once."""
-    key = (id(model), tap_ids)
-    wrapped = _TARGETS.get(key)
-    if wrapped is None or wrapped.model is not model:
-        wrapped = _TARGETS[key] = TargetModel(model, tap_ids)
-    return wrapped
-
-
 def _encode(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array) -> list[int]:
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
@@ -124,9 +112,9 @@ def stream_generate(
                 f"block_size must be in [2, {trained}] for this drafter, got {block_size}"
             )
         draft.bind(model)
-        target = _target_for(model, draft.config.target_layer_ids)
+        target = TargetModel.of(model, draft.config.target_layer_ids)
     else:
-        target = _target_for(model, ())
+        target = TargetModel.of(model, ())
     decoder = SpeculativeDecoder(
         target, draft, TokenSampler(params, seed), block_size or 1, prefill_step_size, profile
     )

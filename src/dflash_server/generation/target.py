@@ -18,10 +18,10 @@ _TAPPED_CLASSES: dict[type, type] = {}
 
 
 class _TapSink:
-    """Where tapped layers drop their outputs during one target forward."""
+    """Per-model slot where each tapped layer drops its latest output, keyed by layer index."""
 
-    def __init__(self, n: int):
-        self.outputs: list[mx.array | None] = [None] * n
+    def __init__(self) -> None:
+        self.outputs: dict[int, mx.array] = {}
 
 
 def _tapped_class(cls: type) -> type:
@@ -38,20 +38,33 @@ def _tapped_class(cls: type) -> type:
 
 
 class TargetModel:
-    """Wraps an mlx-lm model for prefill/verify with taps and exact cache rollback."""
+    """Wraps an mlx-lm model for prefill/verify with taps and exact cache rollback.
+
+    Several wrappers (e.g. for drafters with different taps) may share one model.
+    """
 
     def __init__(self, model: nn.Module, tap_ids: tuple[int, ...]):
         self.model = model
         self.parts: TargetParts = find_target_parts(model)
         self.tap_ids = tuple(tap_ids)
-        self._sink = _TapSink(len(self.tap_ids))
-        for index, layer_id in enumerate(self.tap_ids):
+        backbone = self.parts.backbone
+        if "_dflash_sink" not in backbone.__dict__:
+            # object.__setattr__: keep our bookkeeping out of the module's parameter tree.
+            object.__setattr__(backbone, "_dflash_sink", _TapSink())
+        self._sink: _TapSink = backbone.__dict__["_dflash_sink"]
+        for layer_id in self.tap_ids:
             layer = self.parts.layers[layer_id]
-            base = getattr(layer, "_dflash_base_class", type(layer))
-            # object.__setattr__: keep these out of the module's parameter tree.
-            object.__setattr__(layer, "_dflash_base_class", base)
-            object.__setattr__(layer, "_dflash_tap", (self._sink, index))
-            layer.__class__ = _tapped_class(base)
+            if type(layer) not in _TAPPED_CLASSES.values():
+                object.__setattr__(layer, "_dflash_tap", (self._sink, layer_id))
+                layer.__class__ = _tapped_class(type(layer))
+
+    @classmethod
+    def of(cls, model: nn.Module, tap_ids: tuple[int, ...]) -> TargetModel:
+        """The wrapper for (model, taps), made once and kept on the model itself."""
+        wrappers = model.__dict__.setdefault("_dflash_targets", {})
+        if tap_ids not in wrappers:
+            wrappers[tap_ids] = cls(model, tap_ids)
+        return wrappers[tap_ids]
 
     def make_cache(self) -> list[Any]:
         from mlx_lm.models.cache import make_prompt_cache
@@ -70,7 +83,8 @@ class TargetModel:
         (None without taps, i.e. plain decoding).
         """
         hidden = self.parts.backbone(tokens, cache)
-        taps = mx.concatenate(self._sink.outputs, axis=-1) if self.tap_ids else None
-        self._sink.outputs = [None] * len(self.tap_ids)
+        outputs = self._sink.outputs
+        taps = mx.concatenate([outputs[i] for i in self.tap_ids], axis=-1) if self.tap_ids else None
+        outputs.clear()
         logits = None if logit_rows is None else self.parts.lm_head(hidden[:, logit_rows])
         return logits, taps

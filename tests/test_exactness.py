@@ -1,0 +1,91 @@
+"""Lossless greedy: DFlash tokens == mlx-lm's plain greedy tokens of the target alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
+
+from dflash_server import stream_generate
+from dflash_server.testing import ReplayDrafter, random_drafter
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "<|im_start|>user\nhi<|im_end|>\n"]
+N = 40
+
+
+def plain_greedy(model, prompt_ids, n=N, processors=None) -> list[int]:
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=n, logits_processors=processors)
+    return [t for t, _ in steps]
+
+
+def dflash_tokens(model, draft, tokenizer, prompt_ids, block_size, n=N, **kw) -> list[int]:
+    out = stream_generate(model, draft, tokenizer, prompt_ids, block_size, max_tokens=n, **kw)
+    return [t for r in out for t in r.tokens]
+
+
+@pytest.fixture(params=["tiny_hybrid", "tiny_attn"])
+def target(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_random_drafter_greedy_is_lossless(target, block_size):
+    model, tokenizer = target
+    draft = random_drafter(model, block_size=16)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        assert dflash_tokens(model, draft, tokenizer, ids, block_size) == plain_greedy(model, ids)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_replay_drafter_exercises_every_acceptance_length(target, block_size):
+    model, tokenizer = target
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        n = block_size * (block_size + 1) // 2 + 2 * block_size  # room for one pattern round
+        reference = plain_greedy(model, ids, n)
+        # Cycle c accepts c % block_size drafts: 0..B-1, B-1 being a full block.
+        draft = ReplayDrafter(ids + reference, list(range(block_size)), random_drafter(model))
+        out = list(stream_generate(model, draft, tokenizer, ids, block_size, max_tokens=n))
+        assert [t for r in out for t in r.tokens] == reference
+        histogram = out[-1].stats.acceptance_histogram
+        assert all(count > 0 for count in histogram), histogram
+
+
+def test_greedy_with_penalties_matches_plain(tiny_hybrid):
+    model, tokenizer = tiny_hybrid
+    ids = tokenizer.encode(PROMPTS[0])
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.7, frequency_penalty=0.4)
+    processors = make_logits_processors(None, 1.3, 20, 0.7, 20, 0.4, 20)
+    reference = plain_greedy(model, ids, N, processors)
+    assert reference != plain_greedy(model, ids)  # the penalties do change the output
+    draft = ReplayDrafter(ids + reference, [3, 0, 15, 7], random_drafter(model))
+    assert dflash_tokens(model, draft, tokenizer, ids, 16, **penalties) == reference
+    draft = random_drafter(model)
+    assert dflash_tokens(model, draft, tokenizer, ids, 4, **penalties) == reference
+
+
+def test_chunked_prefill_is_lossless(tiny_hybrid):
+    model, tokenizer = tiny_hybrid
+    ids = tokenizer.encode(" ".join(PROMPTS) * 3)
+    reference = plain_greedy(model, ids)
+    draft = ReplayDrafter(ids + reference, [5, 2], random_drafter(model))
+    assert dflash_tokens(model, draft, tokenizer, ids, 8, prefill_step_size=7) == reference
+
+
+def test_moe_hybrid_target_is_lossless(tmp_path):
+    from dflash_server import load
+    from dflash_server.testing import build_target
+
+    model, tokenizer = load(build_target(tmp_path / "moe", arch="qwen3_5_moe"))
+    ids = tokenizer.encode(PROMPTS[1])
+    reference = plain_greedy(model, ids)
+    draft = ReplayDrafter(ids + reference, [0, 4, 9], random_drafter(model))
+    assert dflash_tokens(model, draft, tokenizer, ids, 16) == reference
+
+
+def test_plain_mode_matches_mlx_lm(target):
+    model, tokenizer = target
+    ids = tokenizer.encode(PROMPTS[2])
+    assert dflash_tokens(model, None, tokenizer, ids, None) == plain_greedy(model, ids)

@@ -1,0 +1,52 @@
+"""After a block with k accepted drafts, caches equal a fresh target fed prompt + committed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.target import TargetModel
+from dflash_server.testing import ReplayDrafter, random_drafter
+
+BLOCK = 8
+
+
+def cache_arrays(cache) -> list[mx.array]:
+    """Comparable content of each layer cache (KV up to its offset, or the recurrent arrays)."""
+    out = []
+    for c in cache:
+        if c.is_trimmable():
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :], mx.array(c.offset)]
+        else:
+            out += list(c.cache)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["tiny_hybrid", "tiny_attn"])
+@pytest.mark.parametrize("accepted", range(BLOCK))
+def test_rollback_equals_fresh_prefill(request, arch, accepted):
+    model, tokenizer = request.getfixturevalue(arch)
+    prompt = tokenizer.encode("def fibonacci(n):")
+    reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=2 * BLOCK)]
+    draft = ReplayDrafter(prompt + reference, [accepted], random_drafter(model))
+    target = TargetModel(model, draft.config.target_layer_ids)
+    decoder = SpeculativeDecoder(target, draft, TokenSampler(SamplingParams()), BLOCK)
+
+    first = decoder.prefill(prompt)
+    decoder._history.append(first.item())
+    committed, _ = decoder._read(decoder._queue_cycle(first, BLOCK))
+    assert committed == reference[1 : accepted + 2]
+
+    fresh = target.make_cache()
+    fed = prompt + reference[: accepted + 1]  # the bonus token is not fed yet
+    target.forward(mx.array(fed)[None], fresh)
+    got, want = cache_arrays(decoder.cache), cache_arrays(fresh)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+    # The drafter's context now covers exactly the committed positions.
+    assert decoder._context.shape[1] == accepted + 1
