@@ -89,3 +89,18 @@ def test_plain_mode_matches_mlx_lm(target):
     model, tokenizer = target
     ids = tokenizer.encode(PROMPTS[2])
     assert dflash_tokens(model, None, tokenizer, ids, None) == plain_greedy(model, ids)
+
+
+def test_black_box_sampler_is_accepted_like_the_reference(tiny_hybrid):
+    """Older reference code passes an mlx-lm ``sampler=``; greedy must still be lossless."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = tiny_hybrid
+    ids = tokenizer.encode(PROMPTS[0])
+    reference = plain_greedy(model, ids)
+    draft = ReplayDrafter(ids + reference, [2, 15], random_drafter(model))
+    out = list(
+        stream_generate(model, draft, tokenizer, ids, max_tokens=N, sampler=make_sampler(0.0))
+    )
+    assert [t for r in out for t in r.tokens] == reference
+    assert out[0].accepted is None and out[1].accepted == 3

@@ -103,11 +103,13 @@ class CacheRollback:
         ):
             q, k, v, a, b, A_log, dt_bias, state = args[:8]
             kwargs = {key: val for key, val in kwargs.items() if key != "mask"}
-            replay = sys.modules[type(gdn).__module__].gated_delta_update._dflash_original
-            _, c[1] = replay(
-                q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],
-                A_log, dt_bias, state, None, **kwargs,
-            )  # fmt: skip
+            if keep > 0:
+                replay = sys.modules[type(gdn).__module__].gated_delta_update._dflash_original
+                _, state = replay(
+                    q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],
+                    A_log, dt_bias, state, None, **kwargs,
+                )  # fmt: skip
+            c[1] = state
             # conv_input = [old window (K-1 rows) | fed rows]; the window after `keep` rows:
             window = conv_input.shape[1] - fed
             c[0] = mx.contiguous(conv_input[:, keep : keep + window])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -48,8 +49,18 @@ class SamplingParams:
 class TokenSampler:
     """Turns logits into tokens under ``SamplingParams``; all on device, no host syncs."""
 
-    def __init__(self, params: SamplingParams, seed: int | None = None):
+    def __init__(
+        self,
+        params: SamplingParams,
+        seed: int | None = None,
+        sampler: Callable[[mx.array], mx.array] | None = None,
+    ):
         self.params = params
+        # A caller-supplied mlx-lm style sampler (logprobs -> tokens) is a black box: speculation
+        # then samples target and draft with it and accepts on equal samples, which is exact too.
+        self.custom = sampler
+        if sampler is not None and seed is not None:
+            mx.random.seed(seed)
         n = params.penalty_context_size
         self.processors = make_logits_processors(
             params.logit_bias,
@@ -101,6 +112,8 @@ class TokenSampler:
 
     def sample(self, logits: mx.array) -> mx.array:
         """One token per row of already-processed logits."""
+        if self.custom is not None:
+            return self.custom(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         if self.params.greedy:
             return mx.argmax(logits, axis=-1)
         return mx.random.categorical(self.logprobs(logits), key=self._next_key())
@@ -110,8 +123,8 @@ class TokenSampler:
     ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens and, when sampling, the log-probs ``log q`` they were drawn from."""
         logits = self.process(draft_logits, history)
-        if self.params.greedy:
-            return mx.argmax(logits, axis=-1), None
+        if self.params.greedy or self.custom is not None:
+            return self.sample(logits), None
         log_q = self.logprobs(logits)
         return mx.random.categorical(log_q, key=self._next_key()), log_q
 
@@ -125,9 +138,10 @@ class TokenSampler:
 
         ``target_logits`` [B, V] are processed; row i scores the token after block position i.
         """
-        if self.params.greedy:
-            # Greedy: a draft survives while it equals the target's argmax; the bonus is that argmax.
-            target = mx.argmax(target_logits, axis=-1)
+        if log_q is None:
+            # Greedy (or a black-box sampler): a draft survives while it equals the target's own
+            # choice at that position; the bonus is the target's choice after the last survivor.
+            target = self.sample(target_logits)
             n = mx.cumprod(drafts == target[:-1]).sum()
             return n, target[n]
         log_p = self.logprobs(target_logits)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
@@ -29,6 +30,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float  # GB
     stats: SpeculativeStats = field(repr=False, default=None)  # type: ignore[assignment]
+    accepted: int | None = None  # tokens this cycle committed (None for the prefill's token)
 
     @property
     def token(self) -> int | None:
@@ -87,12 +89,14 @@ def stream_generate(
     seed: int | None = None,
     prefill_step_size: int = 2048,
     logit_bias: dict[int, float] | None = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
     profile: bool = False,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding (``draft=None``: plain decoding).
 
     The output is exactly what the target alone would produce: identical tokens under greedy
-    decoding, the same distribution under sampling (see README, "Acceptance rule").
+    decoding, the same distribution under sampling (see README, "Acceptance rule"). ``sampler``
+    (an mlx-lm sampler, as older reference code passes) replaces temperature/top-p/top-k/min-p.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -116,17 +120,33 @@ def stream_generate(
     else:
         target = TargetModel.of(model, ())
     decoder = SpeculativeDecoder(
-        target, draft, TokenSampler(params, seed), block_size or 1, prefill_step_size, profile
+        target,
+        draft,
+        TokenSampler(params, seed, sampler),
+        block_size or 1,
+        prefill_step_size,
+        profile,
     )
     stops = _StopMatcher([stop] if isinstance(stop, str) else list(stop or []))
+
+    with wired_limit(model, [generation_stream]):  # Metal: keep weights resident; no-op on CPU
+        yield from _responses(decoder, tokenizer, prompt_ids, max_tokens, stops)
+
+
+def _responses(
+    decoder: SpeculativeDecoder,
+    tokenizer: TokenizerWrapper,
+    prompt_ids: list[int],
+    max_tokens: int,
+    stops: _StopMatcher,
+) -> Iterator[GenerationResponse]:
     eos_ids = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
-    for committed in decoder.generate(prompt_ids, max_tokens, eos_ids):
-        if n == 0:
+    for i, committed in enumerate(decoder.generate(prompt_ids, max_tokens, eos_ids)):
+        if i == 0:
             prompt_tps = len(prompt_ids) / (time.perf_counter() - tic)
             tic = time.perf_counter()
         finish, tokens, text, hit = None, [], "", False
@@ -160,6 +180,7 @@ def stream_generate(
             generation_tps=n / elapsed,
             peak_memory=mx.get_peak_memory() / 1e9,
             stats=decoder.stats,
+            accepted=None if i == 0 else len(committed),
         )
         if finish is not None:
             return

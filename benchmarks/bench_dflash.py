@@ -1,0 +1,191 @@
+"""Plain decoding vs DFlash on one target: tokens/s, tau, time split, efficiency vs ideal.
+
+Without trained weights, ``--replay-tau T`` drives the loop with a drafter that replays the
+target's own greedy tokens and plants a mistake so every cycle commits exactly T tokens, while a
+random DFlash drafter of the published shape runs alongside so draft cost is real.
+
+    ideal tokens/s = tau / (t(draft) + t(verify block))      (each timed alone)
+    efficiency     = measured DFlash tokens/s / ideal
+
+Example (a ~100M fp32 qwen3_5 target, OpenBLAS preloaded as in scripts/test.sh):
+    python benchmarks/bench_dflash.py --replay-tau 4 8
+    python benchmarks/bench_dflash.py --target <mlx model> --draft <drafter>   # real pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+
+from dflash_server import DFlashConfig, DFlashDraftModel, load, load_draft
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.target import TargetModel
+from dflash_server.models.target_parts import find_target_parts
+from dflash_server.testing import ReplayDrafter, build_target
+
+PROMPT = "def fibonacci(n: int) -> int:\n    # return the n-th Fibonacci number\n"
+
+
+def random_drafter(
+    model, layers: int = 5, block_size: int = 16, mask_id: int = 0
+) -> DFlashDraftModel:
+    """A drafter of the published shape (5 layers, taps spread over the target) for timing."""
+    parts = find_target_parts(model)
+    H, n = parts.hidden_size, parts.num_layers
+    heads = max(1, H // 64)
+    config = DFlashConfig(
+        hidden_size=H, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4), head_dim=64, intermediate_size=3 * H,
+        vocab_size=parts.vocab_size, rms_norm_eps=1e-6, rope_theta=1e7,
+        max_position_embeddings=32768, block_size=block_size, num_target_layers=n,
+        target_layer_ids=tuple(sorted({min(n - 1, round(1 + i * (n - 4) / 4)) for i in range(5)})),
+        mask_token_id=mask_id,
+    )  # fmt: skip
+    draft = DFlashDraftModel(config)
+    mx.eval(draft.parameters())
+    return draft.bind(model)
+
+
+def timed(fn, repeats: int = 5) -> float:
+    fn()  # warm-up (kernels, allocations)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def plain_tokens(model, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """mlx-lm's own greedy decode: the baseline and the replay reference."""
+    start, tokens = None, []
+    for i, (tok, _) in enumerate(generate_step(mx.array(prompt), model, max_tokens=n)):
+        tokens.append(tok)
+        if i == 0:
+            start = time.perf_counter()  # exclude prefill
+    return tokens, (n - 1) / (time.perf_counter() - start)
+
+
+def component_times(model, draft, prompt: list[int], context: int, block: int) -> dict[str, float]:
+    """t(plain step), t(draft), t(verify block), each alone at a context of ``context`` tokens."""
+    target = TargetModel(model, draft.config.target_layer_ids)
+    ids = mx.array((prompt * (context // len(prompt) + 1))[:context])[None]
+    cache = target.make_cache()
+    _, taps = target.forward(ids, cache, slice(-1, None))
+    dcache = draft.make_cache()
+    draft.append_context(taps, dcache)
+    mx.eval([c.state for c in cache], [c.state for c in dcache])
+    rollback = target.make_rollback(cache)
+
+    def step(n: int):
+        def run():
+            with rollback.recording():
+                logits, t = target.forward(ids[:, :n], cache, slice(None))
+            mx.eval(mx.argmax(logits, axis=-1), t)
+            rollback.rollback(keep=0, fed=n)  # back to the same context for the next repeat
+            mx.eval([c.state for c in cache])
+
+        return run
+
+    block_ids = mx.array([[1] + [draft.config.mask_token_id] * (block - 1)])
+
+    def run_draft():
+        mx.eval(mx.argmax(draft(block_ids, None, dcache, logits_start=1), axis=-1))
+
+    t_rollback_plus_1 = timed(step(1))
+    return {
+        "plain_step": t_rollback_plus_1,
+        "verify_block": timed(step(block)),
+        "draft": timed(run_draft),
+    }
+
+
+def run_dflash(model, draft, prompt, n, block, greedy=True) -> tuple[list[int], float, dict]:
+    target = TargetModel(model, draft.config.target_layer_ids)
+    sampler = TokenSampler(SamplingParams(temperature=0.0 if greedy else 1.0), seed=0)
+    decoder = SpeculativeDecoder(target, draft, sampler, block)
+    start, tokens = None, []
+    for committed in decoder.generate(prompt, n):
+        if start is None:
+            start = time.perf_counter()
+        tokens.extend(committed)
+    tps = (len(tokens) - 1) / (time.perf_counter() - start)
+    profiled = SpeculativeDecoder(target, draft, sampler, block, profile=True)
+    if isinstance(draft, ReplayDrafter):
+        draft.cycle = 0
+    for _ in profiled.generate(prompt, n):
+        pass
+    return tokens, tps, profiled.stats.as_dict()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--target", help="mlx-lm model (default: build a random ~100M qwen3_5)")
+    ap.add_argument("--draft", help="DFlash drafter (default: random drafter + replay)")
+    ap.add_argument("--replay-tau", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--json", type=Path, help="write results here")
+    args = ap.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    if args.target is None:
+        path = build_target(
+            Path(tmp.name) / "target", hidden_size=768, num_hidden_layers=12, vocab_size=32000
+        )
+        model, tokenizer = load(path)
+    else:
+        model, tokenizer = load(args.target)
+    prompt = tokenizer.encode(PROMPT)
+    parts = find_target_parts(model)
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    print(
+        f"target: {params / 1e6:.1f}M parameters, {parts.num_layers} layers, H={parts.hidden_size}"
+    )
+
+    reference, plain_tps = plain_tokens(model, prompt, args.tokens)
+    results = {"plain_tokens_per_s": round(plain_tps, 2), "runs": []}
+    print(f"plain (mlx-lm generate_step): {plain_tps:.1f} tok/s")
+
+    if args.draft:
+        draft = load_draft(args.draft, target=model)
+        runs = [("real drafter", draft)]
+    else:
+        inner = random_drafter(model, block_size=args.block_size, mask_id=parts.vocab_size - 1)
+        runs = [
+            (f"replay tau={tau}", ReplayDrafter(prompt + reference, [tau - 1], inner=inner))
+            for tau in args.replay_tau
+        ]
+    for name, draft in runs:
+        block = args.block_size
+        comp = component_times(model, draft, prompt, len(prompt) + args.tokens // 2, block)
+        tokens, tps, stats = run_dflash(model, draft, prompt, args.tokens, block)
+        tau = stats["tau"]
+        ideal = tau / (comp["draft"] + comp["verify_block"])
+        row = {
+            "name": name,
+            "tokens_per_s": round(tps, 2),
+            "speedup": round(tps / plain_tps, 3),
+            "tau": tau,
+            "ideal_tokens_per_s": round(ideal, 2),
+            "efficiency": round(tps / ideal, 3),
+            "t_plain_step_ms": round(1e3 * comp["plain_step"], 3),
+            "t_draft_ms": round(1e3 * comp["draft"], 3),
+            "t_verify_block_ms": round(1e3 * comp["verify_block"], 3),
+            "profiled_split_s": stats.get("timings"),
+            "lossless": tokens == reference[: len(tokens)],
+        }
+        results["runs"].append(row)
+        print(json.dumps(row))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
