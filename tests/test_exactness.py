@@ -104,3 +104,41 @@ def test_black_box_sampler_is_accepted_like_the_reference(tiny_hybrid):
     )
     assert [t for r in out for t in r.tokens] == reference
     assert out[0].accepted is None and out[1].accepted == 3
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"quantize_bits": 4}, {"tie_word_embeddings": True}, {"arch": "llama"}],
+    ids=["4bit-target", "tied-embeddings", "llama"],
+)
+def test_other_target_variants_are_lossless(tmp_path, options):
+    """The drafter borrows a quantized or tied embedding/head as it finds it."""
+    from dflash_server import load
+    from dflash_server.testing import build_target
+
+    model, tokenizer = load(build_target(tmp_path / "t", **options))
+    ids = tokenizer.encode(PROMPTS[0])
+    reference = plain_greedy(model, ids)
+    assert dflash_tokens(model, random_drafter(model), tokenizer, ids, 4) == reference
+    draft = ReplayDrafter(ids + reference, [1, 6], random_drafter(model))
+    assert dflash_tokens(model, draft, tokenizer, ids, 8) == reference
+
+
+def test_sliding_window_drafter(tiny_hybrid):
+    """Sliding layers attend to the last window-1 context positions only; output stays lossless."""
+    from dflash_server import DFlashConfig, DFlashDraftModel
+
+    model, tokenizer = tiny_hybrid
+    base = random_drafter(model, block_size=4)
+    fields = {**base.config.__dict__, "layer_types": ("sliding_attention", "full_attention")}
+    windowed = DFlashDraftModel(DFlashConfig(**{**fields, "sliding_window": 5}))
+    wide = DFlashDraftModel(DFlashConfig(**{**fields, "sliding_window": 10_000}))
+    windowed.update(base.parameters())
+    wide.update(base.parameters())
+    taps = mx.random.normal((1, 12, len(base.config.target_layer_ids) * 64), key=mx.random.key(0))
+    block = mx.array([[5] + [base.config.mask_token_id] * 3])
+    logits = [d.bind(model)(block, taps, d.make_cache()) for d in (windowed, wide, base)]
+    assert not mx.allclose(logits[0], logits[1], atol=1e-4).item()
+    assert mx.allclose(logits[1], logits[2], atol=1e-4).item()
+    ids = tokenizer.encode(PROMPTS[1])
+    assert dflash_tokens(model, windowed, tokenizer, ids, 4) == plain_greedy(model, ids)
