@@ -10,6 +10,9 @@ from __future__ import annotations
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of ``text`` that could be the start of one of ``markers``."""
+    longest = max(len(m) for m in markers)
+    if "<" not in text[-longest:] and not any(m[0] in text[-longest:] for m in markers):
+        return 0  # fast path: no marker can start in the tail
     best = 0
     for marker in markers:
         for n in range(min(len(marker) - 1, len(text)), best, -1):

@@ -103,7 +103,11 @@ class Job:
         self.created = time.monotonic()
         self.started: float | None = None
         self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        # Worker appends, event loop drains. The loop is woken only when it may be asleep, so
+        # while it is busy sending, new tokens pile up and leave as one merged event.
+        self._buffer: collections.deque[Event] = collections.deque()
+        self._ready = asyncio.Event()
+        self._wake_pending = False
         self._cancelled = threading.Event()
         self._done = False
         self._engine: Engine | None = None
@@ -121,7 +125,10 @@ class Job:
 
     def emit(self, event: Event) -> None:
         """Hand an event to the event loop (called from the worker thread)."""
-        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        self._buffer.append(event)  # append first, then look at the flag: no lost wake-up
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._loop.call_soon_threadsafe(self._ready.set)
 
     async def next_events(self, timeout: float | None = None) -> list[Event] | None:
         """Wait for at least one event, then take all that are ready (consecutive text merged).
@@ -131,13 +138,22 @@ class Job:
         """
         if self._done:
             return []
-        try:
-            first = await asyncio.wait_for(self._events.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
-        events = [first]
-        while not self._events.empty():
-            events.append(self._events.get_nowait())
+        while not self._buffer:
+            self._ready.clear()
+            self._wake_pending = False  # clear, then re-check the buffer: no lost wake-up
+            if self._buffer:
+                break
+            if timeout is None:
+                await self._ready.wait()
+            else:
+                try:
+                    await asyncio.wait_for(self._ready.wait(), timeout)
+                except asyncio.TimeoutError:
+                    if not self._buffer:
+                        return None
+        events = []
+        while self._buffer:
+            events.append(self._buffer.popleft())
         merged: list[Event] = []
         for ev in events:
             if isinstance(ev, TextChunk) and merged and isinstance(merged[-1], TextChunk):
