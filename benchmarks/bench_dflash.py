@@ -111,10 +111,10 @@ def run_dflash(model, draft, prompt, n, block, greedy=True) -> tuple[list[int], 
     sampler = TokenSampler(SamplingParams(temperature=0.0 if greedy else 1.0), seed=0)
     decoder = SpeculativeDecoder(target, draft, sampler, block)
     start, tokens = None, []
-    for committed in decoder.generate(prompt, n):
+    for commit in decoder.generate(prompt, n):
         if start is None:
             start = time.perf_counter()
-        tokens.extend(committed)
+        tokens.extend(commit.tokens)
     tps = (len(tokens) - 1) / (time.perf_counter() - start)
     profiled = SpeculativeDecoder(target, draft, sampler, block, profile=True)
     if isinstance(draft, ReplayDrafter):

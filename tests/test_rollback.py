@@ -35,10 +35,10 @@ def test_rollback_equals_fresh_prefill(request, arch, accepted):
     target = TargetModel(model, draft.config.target_layer_ids)
     decoder = SpeculativeDecoder(target, draft, TokenSampler(SamplingParams()), BLOCK)
 
-    first = decoder.prefill(prompt)
-    decoder._history.append(first.item())
-    committed, _ = decoder._read(decoder._queue_cycle(first, BLOCK))
-    assert committed == reference[1 : accepted + 2]
+    first, anchor = decoder._read(decoder.prefill(prompt), first=True)
+    decoder._history += first.tokens
+    commit, _ = decoder._read(decoder._queue_cycle(anchor, BLOCK))
+    assert commit.tokens == reference[1 : accepted + 2]
 
     fresh = target.make_cache()
     fed = prompt + reference[: accepted + 1]  # the bonus token is not fed yet

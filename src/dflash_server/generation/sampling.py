@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -44,6 +45,48 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+class TokenConstraint(Protocol):
+    """A grammar-style constraint (e.g. a JSON schema matcher): which tokens may come next.
+
+    Speculation asks for the allowed sets along the drafted path, then commits what was accepted,
+    so the constraint only ever advances over committed tokens (no rollback needed).
+    """
+
+    def allowed(self, drafts: Sequence[int]) -> mx.array:
+        """Bool mask [len(drafts) + 1, V']: row i = tokens allowed after committed + drafts[:i].
+
+        Rows past a disallowed draft are never used and may be anything. V' <= vocab size.
+        """
+        ...
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Advance past tokens that are now part of the output."""
+        ...
+
+
+def apply_mask(logits: mx.array, mask: mx.array) -> mx.array:
+    """Forbid tokens outside ``mask``; columns past the mask's width (spare embedding rows) too."""
+    if mask.shape[-1] < logits.shape[-1]:
+        pad = mx.zeros((mask.shape[0], logits.shape[-1] - mask.shape[-1]), dtype=mx.bool_)
+        mask = mx.concatenate([mask, pad], axis=-1)
+    return mx.where(mask, logits, -mx.inf)
+
+
+def token_logprobs(
+    logits: mx.array, emitted: mx.array, top: int
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Log-probabilities of ``emitted[i]`` under row i, plus each row's ``top`` alternatives.
+
+    Like mlx-lm's ``generate_step``: the processed logits log-softmaxed, before top-p/top-k/min-p.
+    """
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, emitted[:, None].astype(mx.int32), axis=-1)[:, 0]
+    if top <= 0:
+        return chosen, None, None
+    ids = mx.argpartition(-logprobs, top - 1, axis=-1)[:, :top]
+    return chosen, ids, mx.take_along_axis(logprobs, ids, axis=-1)
 
 
 class TokenSampler:

@@ -17,7 +17,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.sampling import TokenSampler
+from dflash_server.generation.sampling import (
+    TokenConstraint,
+    TokenSampler,
+    apply_mask,
+    token_logprobs,
+)
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.drafter import DFlashDraftModel
 
@@ -67,16 +72,40 @@ class SpeculativeStats:
 
 
 @dataclass
+class Commit:
+    """Tokens committed together, with their log-probabilities when asked for."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
+
+    def truncate(self, n: int) -> Commit:
+        if n >= len(self.tokens):
+            return self
+        cut = lambda xs: None if xs is None else xs[:n]  # noqa: E731
+        return Commit(self.tokens[:n], cut(self.logprobs), cut(self.top_logprobs))
+
+
+@dataclass
 class _Cycle:
     """A queued cycle: device results plus what the host needs to read them."""
 
     result: mx.array  # [accepted, bonus, d1..d(B-1)]
     taps: mx.array | None  # [1, B, L*H] tapped target features of the verify input
     size: int  # B, positions fed to the target
+    logprobs: tuple[mx.array, mx.array | None, mx.array | None] | None = None  # per verify row
+
+    def arrays(self) -> list[mx.array]:
+        extra = [] if self.logprobs is None else [a for a in self.logprobs if a is not None]
+        return [self.result, *([] if self.taps is None else [self.taps]), *extra]
 
 
 class SpeculativeDecoder:
-    """Runs one request's prefill and cycles; ``draft=None`` means plain decoding (B = 1)."""
+    """Runs one request's prefill and cycles; ``draft=None`` means plain decoding (B = 1).
+
+    ``logprobs`` (None, or the number of alternatives per token) adds log-probabilities to each
+    commit; ``constraint`` restricts the target's distribution at every position (grammars).
+    """
 
     def __init__(
         self,
@@ -86,10 +115,13 @@ class SpeculativeDecoder:
         block_size: int,
         prefill_step_size: int = 2048,
         profile: bool = False,
+        logprobs: int | None = None,
+        constraint: TokenConstraint | None = None,
     ):
         self.target, self.draft, self.sampler = target, draft, sampler
         self.block_size = block_size if draft is not None else 1
         self.prefill_step_size = prefill_step_size
+        self.logprobs, self.constraint = logprobs, constraint
         self.cache = target.make_cache()
         self.rollback = target.make_rollback(self.cache)
         self.draft_cache = draft.make_cache() if draft is not None else None
@@ -111,8 +143,23 @@ class SpeculativeDecoder:
     def _history_tail(self) -> mx.array:
         return mx.array(self._history[-self.sampler.params.penalty_context_size :])
 
-    def prefill(self, prompt: list[int]) -> mx.array:
-        """Feed the prompt in chunks; return the first sampled token (lazy, shape [1])."""
+    def _finish_rows(
+        self, logits: mx.array, history: mx.array | None, drafts: list[int] | mx.array | None
+    ) -> mx.array:
+        """The target's processed logits per row: penalties, then the constraint's mask."""
+        if drafts is None:
+            logits = self.sampler.process(logits, history)
+        else:
+            logits = self.sampler.process_rows(logits, history, mx.array(drafts))
+        if self.constraint is not None:
+            logits = apply_mask(logits, self.constraint.allowed([] if drafts is None else drafts))
+        return logits
+
+    def _logprobs(self, logits: mx.array, emitted: mx.array) -> Any:
+        return None if self.logprobs is None else token_logprobs(logits, emitted, self.logprobs)
+
+    def prefill(self, prompt: list[int]) -> _Cycle:
+        """Feed the prompt in chunks; return the first token as a (lazy) one-row cycle."""
         self._history = list(prompt)
         tokens = mx.array(prompt)[None]
         step = max(1, self.prefill_step_size)
@@ -128,8 +175,10 @@ class SpeculativeDecoder:
                 if not last:  # bound peak memory: materialise this chunk before the next
                     mx.eval([c.state for c in self.cache], *self._draft_state())
                     mx.clear_cache()
-            first = self.sampler.sample(self.sampler.process(logits[0], self._history_tail()))
-        return first
+            logits = self._finish_rows(logits[0], self._history_tail(), None)
+            first = self.sampler.sample(logits)
+            result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
+        return _Cycle(result, None, 1, self._logprobs(logits, first))
 
     def _draft_state(self) -> list[Any]:
         return [c.state for c in self.draft_cache] if self.draft_cache is not None else []
@@ -140,8 +189,10 @@ class SpeculativeDecoder:
             history = self._history_tail() if self.sampler.processors else None
             if size == 1:  # plain decoding step, no drafter
                 logits, taps = self.target.forward(last[None], self.cache, slice(None))
-                bonus = self.sampler.sample(self.sampler.process(logits[0], history))
+                logits = self._finish_rows(logits[0], history, None)
+                bonus = self.sampler.sample(logits)
                 result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
+                logprobs = self._logprobs(logits, bonus)
             else:
                 mask = mx.full((size - 1,), self.draft.config.mask_token_id, dtype=last.dtype)
                 block = mx.concatenate([last, mask])[None]
@@ -152,59 +203,79 @@ class SpeculativeDecoder:
                 verify_input = mx.concatenate([last, drafts.astype(last.dtype)])
                 with self.rollback.recording():
                     logits, taps = self.target.forward(verify_input[None], self.cache, slice(None))
-                logits = self.sampler.process_rows(logits[0], history, drafts)
+                # A constraint walks the drafted path on the host: one extra sync per cycle.
+                path = drafts.tolist() if self.constraint is not None else drafts
+                logits = self._finish_rows(logits[0], history, path)
                 accepted, bonus = self.sampler.accept(logits, drafts, log_q)
                 result = mx.concatenate(
                     [mx.stack([accepted, bonus]).astype(mx.int32), drafts.astype(mx.int32)]
                 )
+                # Row i emits draft i+1 while it survives; the row after the last survivor, the bonus.
+                emitted = mx.concatenate([drafts, bonus[None]]).astype(mx.int32)
+                emitted = mx.where(mx.arange(size) == accepted, bonus, emitted)
+                logprobs = self._logprobs(logits, emitted)
                 self._timed("verify", result, taps)
-        mx.async_eval(result, *([] if taps is None else [taps]))
-        return _Cycle(result, taps, size)
+        cycle = _Cycle(result, taps, size, logprobs)
+        mx.async_eval(*cycle.arrays())
+        return cycle
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _read(self, cycle: _Cycle) -> tuple[list[int], mx.array]:
-        """Sync on a cycle, commit its tokens, roll caches back; return (tokens, next anchor)."""
+    def _read(self, cycle: _Cycle, first: bool = False) -> tuple[Commit, mx.array]:
+        """Sync on a cycle, commit its tokens, roll caches back; return (commit, next anchor)."""
         values = cycle.result.tolist()  # the one host sync per cycle
         accepted, bonus = values[0], values[1]
-        self.stats.record(cycle.size - 1, accepted)
+        commit = Commit([*values[2 : 2 + accepted], bonus])
+        if cycle.logprobs is not None:
+            chosen, ids, top = (None if a is None else a.tolist() for a in cycle.logprobs)
+            n = accepted + 1
+            commit.logprobs = chosen[:n]
+            if ids is not None:
+                commit.top_logprobs = [
+                    sorted(zip(i, v), key=lambda iv: -iv[1]) for i, v in zip(ids[:n], top[:n])
+                ]
+        if not first:  # the prefill's token is no cycle
+            self.stats.record(cycle.size - 1, accepted)
         with mx.stream(generation_stream):
             self.rollback.rollback(keep=accepted + 1, fed=cycle.size)
-            if self.draft is not None:  # the committed positions' taps are the next context
+            if self.draft is not None and cycle.taps is not None:
+                # The committed positions' taps are the drafter's next context.
                 taps = cycle.taps[:, : accepted + 1]
                 self._context = (
                     taps if self._context is None else mx.concatenate([self._context, taps], axis=1)
                 )
             self._timed("rollback", [c.state for c in self.cache])
-        return [*values[2 : 2 + accepted], bonus], mx.array([bonus], dtype=mx.int32)
+        return commit, mx.array([bonus], dtype=mx.int32)
 
     def generate(
         self, prompt: list[int], max_tokens: int, eos_ids: set[int] | frozenset[int] = frozenset()
-    ) -> Iterator[list[int]]:
-        """Yield lists of committed tokens (the first list is the prefill's token).
+    ) -> Iterator[Commit]:
+        """Yield commits of tokens (the first holds the prefill's token).
 
         Stops after ``max_tokens`` tokens or an EOS id (the EOS itself is yielded last).
         """
         if max_tokens <= 0:
             return
-        last = self.prefill(prompt)
-        committed, produced = [last.item()], 0
-        # Plain decoding without penalties can queue step n+1 before reading step n.
-        lookahead = self.block_size == 1 and not self.sampler.processors
+        commit, last = self._read(self.prefill(prompt), first=True)
+        produced = 0
+        # Plain decoding without penalties or constraints can queue step n+1 before reading n.
+        lookahead = self.block_size == 1 and not self.sampler.processors and not self.constraint
         queued: _Cycle | None = None
         while True:
-            committed = committed[: max_tokens - produced]
-            for i, token in enumerate(committed):
+            commit = commit.truncate(max_tokens - produced)
+            for i, token in enumerate(commit.tokens):
                 if token in eos_ids:
-                    committed = committed[: i + 1]
+                    commit = commit.truncate(i + 1)
                     break
-            produced += len(committed)
-            self._history.extend(committed)
-            if produced >= max_tokens or committed[-1] in eos_ids:
-                yield committed
+            produced += len(commit.tokens)
+            self._history.extend(commit.tokens)
+            if self.constraint is not None:
+                self.constraint.commit(commit.tokens)
+            if produced >= max_tokens or commit.tokens[-1] in eos_ids:
+                yield commit
                 return
             cycle = queued or self._queue_cycle(last, min(self.block_size, max_tokens - produced))
-            yield committed
+            yield commit
             if lookahead:
                 queued = self._queue_cycle(cycle.result[1:2], 1)
-            committed, last = self._read(cycle)
+            commit, last = self._read(cycle)

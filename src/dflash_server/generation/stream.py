@@ -11,7 +11,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.sampling import SamplingParams, TokenConstraint, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder, SpeculativeStats
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.drafter import DFlashDraftModel
@@ -31,6 +31,10 @@ class GenerationResponse:
     peak_memory: float  # GB
     stats: SpeculativeStats = field(repr=False, default=None)  # type: ignore[assignment]
     accepted: int | None = None  # tokens this cycle committed (None for the prefill's token)
+    logprobs: list[float] | None = None  # per token in ``tokens``, when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = (
+        None  # per token: (id, logprob), best first
+    )
 
     @property
     def token(self) -> int | None:
@@ -90,6 +94,8 @@ def stream_generate(
     prefill_step_size: int = 2048,
     logit_bias: dict[int, float] | None = None,
     sampler: Callable[[mx.array], mx.array] | None = None,
+    logprobs: int | None = None,
+    constraint: TokenConstraint | None = None,
     profile: bool = False,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding (``draft=None``: plain decoding).
@@ -97,6 +103,8 @@ def stream_generate(
     The output is exactly what the target alone would produce: identical tokens under greedy
     decoding, the same distribution under sampling (see README, "Acceptance rule"). ``sampler``
     (an mlx-lm sampler, as older reference code passes) replaces temperature/top-p/top-k/min-p.
+    ``logprobs=k`` reports each token's log-probability and its k best alternatives (k may be 0);
+    ``constraint`` (a grammar matcher, see ``TokenConstraint``) restricts every position.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -126,6 +134,8 @@ def stream_generate(
         block_size or 1,
         prefill_step_size,
         profile,
+        logprobs,
+        constraint,
     )
     stops = _StopMatcher([stop] if isinstance(stop, str) else list(stop or []))
 
@@ -145,12 +155,12 @@ def _responses(
     detokenizer.reset()
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
-    for i, committed in enumerate(decoder.generate(prompt_ids, max_tokens, eos_ids)):
+    for i, commit in enumerate(decoder.generate(prompt_ids, max_tokens, eos_ids)):
         if i == 0:
             prompt_tps = len(prompt_ids) / (time.perf_counter() - tic)
             tic = time.perf_counter()
         finish, tokens, text, hit = None, [], "", False
-        for token in committed:
+        for token in commit.tokens:
             if token in eos_ids:
                 finish = "stop"
                 break
@@ -162,6 +172,7 @@ def _responses(
                 finish = "stop"
                 break
         n += len(tokens)
+        commit = commit.truncate(len(tokens))
         if finish is None and n >= max_tokens:
             finish = "length"
         if finish is not None and not hit:  # flush held-back bytes and text
@@ -180,7 +191,9 @@ def _responses(
             generation_tps=n / elapsed,
             peak_memory=mx.get_peak_memory() / 1e9,
             stats=decoder.stats,
-            accepted=None if i == 0 else len(committed),
+            accepted=None if i == 0 else len(commit.tokens),
+            logprobs=commit.logprobs,
+            top_logprobs=commit.top_logprobs,
         )
         if finish is not None:
             return
