@@ -1,0 +1,1 @@
+"""Drafter tooling: ``dflash-serve convert`` (quantize/cast) and ``dflash-serve train`` (distil)."""
