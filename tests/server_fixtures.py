@@ -160,16 +160,10 @@ def slow(generate: Any, delay: float) -> Any:
     return wrapped
 
 
-def make_app(target: Path, draft: Path | None, *, generate: Any = None, **settings: Any) -> Any:
+def make_app(target: Path, draft: Path, *, generate: Any = None, **settings: Any) -> Any:
     """An app serving the tiny fixture models; ``generate`` swaps stream_generate for a test double."""
-    from functools import partial
-
-    from dflash_server.api.app import create_app
-    from dflash_server.engine.loader import load_models
-    from dflash_server.engine.worker import Engine
+    from dflash_server.api.app import build_engine, create_app
     from dflash_server.settings import Settings
 
-    s = Settings.load(target=str(target), draft=str(draft) if draft else None, **settings)
-    loader = partial(load_models, str(target), s.draft, s.context_length)
-    engine = Engine(loader, max_queue=s.max_queue, generate=generate)
-    return create_app(s, engine)
+    s = Settings.load(target=str(target), draft=str(draft), **settings)
+    return create_app(s, build_engine(s, generate=generate))

@@ -15,8 +15,6 @@ from dflash_server.engine.loader import (
     DRAFT_PATTERNS,
     TARGET_PATTERNS,
     ModelLoadError,
-    describe,
-    load_models,
     resolve_model,
 )
 from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list_presets
@@ -128,8 +126,7 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
     """Run uvicorn until shutdown; the engine loads the models on its worker meanwhile."""
     import uvicorn
 
-    from dflash_server.api.app import create_app
-    from dflash_server.engine.worker import Engine
+    from dflash_server.api.app import build_engine, create_app
 
     failure: list[str] = []
     server: uvicorn.Server | None = None
@@ -139,26 +136,8 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
         if server is not None:
             server.should_exit = True
 
-    def loader() -> Any:
-        models = load_models(
-            target_path,
-            draft_path,
-            settings.context_length,
-            target_label=settings.target,
-            draft_label=settings.draft,
-        )
-        for line in describe(models.summary).splitlines():
-            log.info("%s", line)
-        log.info(
-            "ready: serving %r at http://%s:%d/v1", settings.model_id, settings.host, settings.port
-        )
-        return models
-
-    engine = Engine(
-        loader,
-        max_queue=settings.max_queue,
-        prefill_step_size=settings.prefill_step_size,
-        on_fatal=on_fatal,
+    engine = build_engine(
+        settings, target_path=target_path, draft_path=draft_path, on_fatal=on_fatal
     )
     app = create_app(settings, engine)
     config = uvicorn.Config(

@@ -2,31 +2,58 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from dflash_server.api.errors import install_error_handlers
 from dflash_server.api.routes import public, router
-from dflash_server.engine.loader import load_models
-from dflash_server.engine.worker import Engine
+from dflash_server.engine.loader import LoadedModels, describe, load_models
+from dflash_server.engine.worker import Engine, GenerateFn
 from dflash_server.settings import Settings
 
+log = logging.getLogger("dflash_server")
 
-def build_engine(settings: Settings) -> Engine:
-    """An engine that loads the configured models on its worker thread."""
-    loader = partial(
-        load_models,
-        str(settings.target),
-        settings.draft,
-        settings.context_length,
-    )
+
+def build_engine(
+    settings: Settings,
+    *,
+    target_path: str | None = None,
+    draft_path: str | None = None,
+    on_fatal: Callable[[str], None] | None = None,
+    generate: GenerateFn | None = None,
+) -> Engine:
+    """An engine that loads the configured models on its worker thread and logs what it got.
+
+    ``target_path``/``draft_path`` are already-downloaded folders (the CLI fetches first);
+    ``generate`` replaces ``stream_generate``, for tests.
+    """
+
+    def loader() -> LoadedModels:
+        models = load_models(
+            target_path or str(settings.target),
+            draft_path or settings.draft,
+            settings.context_length,
+            target_label=settings.target,
+            draft_label=settings.draft,
+        )
+        for line in describe(models.summary).splitlines():
+            log.info("%s", line)
+        log.info(
+            "ready: serving %r at http://%s:%d/v1", settings.model_id, settings.host, settings.port
+        )
+        return models
+
     return Engine(
-        loader, max_queue=settings.max_queue, prefill_step_size=settings.prefill_step_size
+        loader,
+        max_queue=settings.max_queue,
+        prefill_step_size=settings.prefill_step_size,
+        generate=generate,
+        on_fatal=on_fatal,
     )
 
 

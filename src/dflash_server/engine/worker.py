@@ -318,7 +318,17 @@ class Engine:
                     job.emit(TextChunk(response.text, len(response.tokens)))
                 if response.finish_reason is not None:
                     break
-            job.emit(self._finished(job, last, produced))
+            done = self._finished(job, last, produced)
+            job.emit(done)
+            st = done.stats
+            log.info(
+                "request: %d prompt + %d output tokens (%s), %.1f tok/s, tau %s",
+                done.prompt_tokens,
+                done.completion_tokens,
+                done.finish_reason,
+                st.get("generation_tps", 0.0),
+                st.get("tau", "-") if st.get("speculative") else "- (plain decoding)",
+            )
         except Exception as exc:
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {exc}"))
