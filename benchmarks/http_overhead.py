@@ -29,6 +29,17 @@ import httpx
 PROMPT = "def fibonacci(n: int) -> int:\n"
 
 
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """User+system CPU time of this process, or of ``pid`` (Linux /proc only)."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def build_models(root: Path, hidden: int, layers: int, vocab: int) -> tuple[Path, Path]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -141,13 +152,19 @@ def main() -> None:
                     raise SystemExit("server did not start")
                 time.sleep(0.2)
             direct, http, events = [], [], 0
+            cpu_direct = cpu_server = 0.0
             with httpx.Client(timeout=300) as client:
                 run_direct(model, direct_draft, tokenizer, args.tokens)  # warm-up both sides
                 run_http(client, base, args.tokens, args.speculative)
                 for _ in range(args.runs):
+                    c0 = cpu_seconds()
                     n, dt = run_direct(model, direct_draft, tokenizer, args.tokens)
+                    cpu_direct += cpu_seconds() - c0
                     direct.append(n / dt)
+                    s0 = cpu_seconds(server.pid)
                     n_http, dt, events = run_http(client, base, args.tokens, args.speculative)
+                    s1 = cpu_seconds(server.pid)
+                    cpu_server += (s1 - s0) if s0 is not None and s1 is not None else float("nan")
                     assert n_http == n, f"token counts differ: {n_http} vs {n}"
                     http.append(n_http / dt)
         finally:
@@ -155,13 +172,19 @@ def main() -> None:
             server.wait(30)
 
     d, h = statistics.median(direct), statistics.median(http)
+    # Each HTTP run against the direct run just before it: cancels slow drifts in machine load.
+    paired = statistics.median(1 - b / a for a, b in zip(direct, http))
+    total = n * args.runs
     mode = "DFlash, random drafter" if args.speculative else "plain decoding"
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab or 'tokenizer'}")
-    print(f"mode: {mode}")
-    print(f"tokens/request: {n}, SSE events/request: {events}, runs: {args.runs} (medians)")
-    print(f"direct stream_generate: {d:8.1f} tok/s")
-    print(f"HTTP/SSE streaming:     {h:8.1f} tok/s")
-    print(f"overhead: {100 * (1 - h / d):.1f} %  ({1e3 * (1 / h - 1 / d):.3f} ms per token)")
+    print(f"mode: {mode}; tokens/request: {n}; SSE events/request: {events}; runs: {args.runs}")
+    print(f"direct stream_generate: {d:8.1f} tok/s (median)")
+    print(f"HTTP/SSE streaming:     {h:8.1f} tok/s (median)")
+    print(f"overhead: {100 * (1 - h / d):.1f} % of medians, {100 * paired:.1f} % median of pairs")
+    print(
+        f"CPU per token: direct {1e3 * cpu_direct / total:.3f} ms, "
+        f"server process {1e3 * cpu_server / total:.3f} ms"
+    )
 
 
 if __name__ == "__main__":

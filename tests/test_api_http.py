@@ -276,6 +276,18 @@ def test_keepalive_during_long_prefill(tiny_hybrid_path: Path, draft_path: Path)
     assert sum(line.startswith(": ping") for line in lines) >= 2
 
 
+def test_fast_tokens_are_batched_into_fewer_events(
+    tiny_hybrid_path: Path, draft_path: Path
+) -> None:
+    gen = ScriptedGenerate(["a"] * 200, delay=0.002)
+    app = make_app(tiny_hybrid_path, draft_path, generate=gen, stream_interval=0.05)
+    with run_server(app) as srv:
+        body = {**CHAT, "stream": True, "max_tokens": 200, "enable_thinking": False}
+        _, content, lines = _stream_deltas(srv.base_url, body)
+    assert content == "a" * 200
+    assert sum(line.startswith("data: ") for line in lines) < 40  # ~0.4 s / 0.05 s, not 200
+
+
 def _open_stream(client: httpx.Client, base: str, body: dict[str, Any]) -> Any:
     ctx = client.stream("POST", f"{base}/v1/chat/completions", json=body)
     response = ctx.__enter__()

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--allowed-origins", help="CORS origins, comma separated, or '*'")
     h.add_argument("--keepalive", type=float, help="seconds between SSE keepalive comments")
     h.add_argument(
+        "--stream-interval",
+        type=float,
+        help="min seconds between streamed text events; faster tokens go out together (0.02)",
+    )
+    h.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error", "critical"], help="log level"
     )
 

@@ -119,6 +119,9 @@ class Settings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     keepalive: float = Field(10.0, gt=0, description="seconds between SSE keepalive comments")
+    stream_interval: float = Field(
+        0.02, ge=0, description="min seconds between streamed text events (0: every token)"
+    )
 
     # Engine
     max_queue: int = Field(8, ge=0, description="requests allowed to wait behind the running one")

@@ -43,8 +43,8 @@ def _error(message: str) -> dict[str, Any]:
 class _Stream:
     """Shared chunk framing for chat and text completion streams."""
 
-    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any) -> None:
-        self.p, self.job = prepared, job
+    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any, interval: float) -> None:
+        self.p, self.job, self.interval = prepared, job, interval
         chat = prepared.kind == "chat"
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.object = "chat.completion.chunk" if chat else "text_completion"
@@ -97,11 +97,16 @@ class _Stream:
                     "finish_reason": None,
                 }
             )
+        last_sent = 0.0
         try:
             while True:
-                batch = await self.job.next_events()
+                # At most one event per `interval` while tokens flow fast: each SSE event costs
+                # the event loop far more than a token of text, and 20 ms is below perception.
+                linger = last_sent + self.interval - time.monotonic()
+                batch = await self.job.next_events(linger=linger)
                 if not batch:
                     break
+                last_sent = time.monotonic()
                 for ev in batch:
                     if isinstance(ev, TextChunk):
                         if (data := self.text_chunk(ev.text)) is not None:
@@ -124,9 +129,14 @@ class _Stream:
             self.job.cancel()
 
 
-def stream_response(prepared: Prepared, job: Job, tokenizer: Any) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a streamed chat or text completion."""
-    return _Stream(prepared, job, tokenizer).events()
+def stream_response(
+    prepared: Prepared, job: Job, tokenizer: Any, interval: float = 0.0
+) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a streamed chat or text completion.
+
+    ``interval``: minimum seconds between text events; faster tokens are sent together.
+    """
+    return _Stream(prepared, job, tokenizer, interval).events()
 
 
 async def collect_response(

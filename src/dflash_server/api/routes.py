@@ -66,7 +66,7 @@ async def _respond(request: Request, prepared: Prepared) -> Response:
     tokenizer = engine.models.tokenizer if engine.models else None
     if prepared.stream:
         return EventSourceResponse(
-            stream_response(prepared, job, tokenizer),
+            stream_response(prepared, job, tokenizer, _settings(request).stream_interval),
             ping=_settings(request).keepalive,
             sep="\n",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

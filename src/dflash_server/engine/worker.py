@@ -130,11 +130,14 @@ class Job:
             self._wake_pending = True
             self._loop.call_soon_threadsafe(self._ready.set)
 
-    async def next_events(self, timeout: float | None = None) -> list[Event] | None:
+    async def next_events(
+        self, timeout: float | None = None, linger: float = 0.0
+    ) -> list[Event] | None:
         """Wait for at least one event, then take all that are ready (consecutive text merged).
 
         Returns None on timeout and [] once the final event was already taken. Merging lets a
-        slow client receive fewer, larger SSE events instead of falling behind.
+        slow client receive fewer, larger SSE events instead of falling behind. ``linger``
+        waits that much longer once text is there, to gather more into the same batch.
         """
         if self._done:
             return []
@@ -151,6 +154,8 @@ class Job:
                 except asyncio.TimeoutError:
                     if not self._buffer:
                         return None
+        if linger > 0 and not isinstance(self._buffer[-1], Finished | Failed):
+            await asyncio.sleep(linger)
         events = []
         while self._buffer:
             events.append(self._buffer.popleft())
