@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from dflash_server.generation import rollback as rollback_module
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -25,10 +26,14 @@ def cache_arrays(cache) -> list[mx.array]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["tiny_hybrid", "tiny_attn"])
+@pytest.mark.parametrize(
+    "arch", ["tiny_hybrid", "tiny_attn", "tiny_hybrid-replay"], ids=["hybrid", "attn", "replay"]
+)
 @pytest.mark.parametrize("accepted", range(BLOCK))
-def test_rollback_equals_fresh_prefill(request, arch, accepted):
-    model, tokenizer = request.getfixturevalue(arch)
+def test_rollback_equals_fresh_prefill(request, monkeypatch, arch, accepted):
+    if arch.endswith("-replay"):  # the Metal-kernel path: record inputs, replay the recurrence
+        monkeypatch.setattr(rollback_module, "_sequential_ops", lambda: False)
+    model, tokenizer = request.getfixturevalue(arch.removesuffix("-replay"))
     prompt = tokenizer.encode("def fibonacci(n):")
     reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=2 * BLOCK)]
     draft = ReplayDrafter(prompt + reference, [accepted], random_drafter(model))

@@ -1,9 +1,15 @@
-"""Exact rollback of target caches after a partially accepted block (FACTS §5, option c).
+"""Exact rollback of target caches after a partially accepted block (FACTS §5, options b/c).
 
 Attention caches are trimmed. Gated DeltaNet layers keep a recurrent state that cannot be trimmed,
-so during verify we record each layer's recurrence inputs (normalised q, k, v and the gates a, b)
-and its conv input; rollback replays only the recurrence over the kept prefix from the pre-verify
-state, and re-slices the conv window. No second target forward.
+so during verify we record each layer's conv input and its recurrence:
+
+* where mlx-lm runs the recurrence as sequential ops (CPU, CUDA), we step it one token at a time
+  through mlx-lm's own ``gated_delta_update`` (the same ops, the same order) and keep every
+  step's state: rollback is a lookup;
+* where it runs a fused Metal kernel, we keep the recurrence inputs (normalised q, k, v, gates
+  a, b) and rollback replays the kernel over the kept prefix from the pre-verify state.
+
+The conv window is re-sliced from the recorded conv input. No second target forward.
 """
 
 from __future__ import annotations
@@ -20,12 +26,38 @@ _ACTIVE: CacheRollback | None = None  # the recorder of the verify pass in fligh
 _CONV_CLASSES: dict[type, type] = {}
 
 
+def _sequential_ops() -> bool:
+    """True where mlx-lm's recurrence runs token by token as ops (no fused Metal kernel)."""
+    return mx.default_device() != mx.gpu or not mx.metal.is_available()
+
+
+def _step_by_step(original: Any, args: tuple, kwargs: dict) -> tuple[mx.array, list[mx.array]]:
+    """``original`` over the tokens one at a time; returns (outputs, state after each token)."""
+    q, k, v, a, b, A_log, dt_bias, state = args[:8]
+    mask = args[8] if len(args) > 8 else kwargs.pop("mask", None)
+    outputs, states = [], []
+    for t in range(q.shape[1]):
+        step = slice(t, t + 1)
+        y, state = original(
+            q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias, state,
+            None if mask is None else mask[:, step], **kwargs,
+        )  # fmt: skip
+        outputs.append(y)
+        states.append(state)
+    return mx.concatenate(outputs, axis=1), states
+
+
 def _recording_update(original: Any) -> Any:
     """Wrap mlx-lm's ``gated_delta_update``; a pass-through unless a verify is being recorded."""
 
     def gated_delta_update(*args: Any, **kwargs: Any) -> Any:
-        if _ACTIVE is not None:
-            _ACTIVE._updates.append((args, kwargs))
+        if _ACTIVE is None:
+            return original(*args, **kwargs)
+        if _sequential_ops():
+            y, states = _step_by_step(original, args, dict(kwargs))
+            _ACTIVE._updates.append((args, kwargs, states))
+            return y, states[-1]
+        _ACTIVE._updates.append((args, kwargs, None))
         return original(*args, **kwargs)
 
     gated_delta_update._dflash_original = original  # type: ignore[attr-defined]
@@ -71,7 +103,7 @@ class CacheRollback:
                 )
             _install_recorders(gdn)
             self.linear.append((c, gdn))
-        self._updates: list[tuple[tuple, dict]] = []
+        self._updates: list[tuple[tuple, dict, list[mx.array] | None]] = []
         self._conv_inputs: list[mx.array] = []
 
     @contextlib.contextmanager
@@ -98,12 +130,14 @@ class CacheRollback:
                 c.trim(trim)
         if len(self._updates) != len(self.linear) or len(self._conv_inputs) != len(self.linear):
             raise RuntimeError("rollback needs the recording of the last verify pass")
-        for (c, gdn), (args, kwargs), conv_input in zip(
+        for (c, gdn), (args, kwargs, states), conv_input in zip(
             self.linear, self._updates, self._conv_inputs
         ):
             q, k, v, a, b, A_log, dt_bias, state = args[:8]
             kwargs = {key: val for key, val in kwargs.items() if key != "mask"}
-            if keep > 0:
+            if states is not None and keep > 0:
+                state = states[keep - 1]
+            elif keep > 0:
                 replay = sys.modules[type(gdn).__module__].gated_delta_update._dflash_original
                 _, state = replay(
                     q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],
