@@ -99,7 +99,7 @@ def decode(
         for i, chunk in enumerate(decoder.generate(list(prompt), max_tokens)):
             if i == 0:
                 start = time.perf_counter()
-            out.extend(chunk)
+            out.extend(getattr(chunk, "tokens", chunk))  # a Commit (or a plain list)
         seconds += time.perf_counter() - start
         outs.append(out)
         generated += len(out) - 1

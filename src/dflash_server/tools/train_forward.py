@@ -146,7 +146,7 @@ def default_gamma(block_size: int) -> float:
 
 def loss_and_metrics(
     draft: DFlashDraftModel, batch: TrainBatch, weights: mx.array
-) -> tuple[mx.array, tuple[mx.array, mx.array]]:
+) -> tuple[mx.array, mx.array, mx.array]:
     """Weighted cross-entropy, plus top-1 accuracy and the expected accepted drafts per block.
 
     The last is the mean length of the correct prefix of each block: tau - 1 under greedy
@@ -158,4 +158,4 @@ def loss_and_metrics(
     loss = (ce * weights).sum() / (weights.sum() * math.prod(ce.shape[:2]))
     correct = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32)
     accepted = mx.cumprod(correct, axis=-1).sum(axis=-1).mean()
-    return loss, (mx.stop_gradient(correct.mean()), mx.stop_gradient(accepted))
+    return loss, mx.stop_gradient(correct.mean()), mx.stop_gradient(accepted)

@@ -1,0 +1,304 @@
+"""``dflash-serve train``: distil a DFlash drafter for an mlx-lm target, or fine-tune one.
+
+Only the drafter's own parameters train (draft layers, ``fc`` projection, norms); the target's
+embedding and lm_head are borrowed frozen through ``bind``, exactly as at inference. Each step
+samples sequences and K anchors per sequence; see ``train_forward`` for the batched objective.
+Checkpoints use the published layout (loadable by ``load_draft`` and the reference loaders) plus
+``training/`` (fp32 master weights and optimizer state, step, history) for ``--resume``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from dflash_server.generation.target import TargetModel
+from dflash_server.models.drafter import DFlashDraftModel
+from dflash_server.tools.common import decode, model_card, save_drafter
+from dflash_server.tools.train_data import (
+    DiskCache,
+    OnTheFly,
+    estimate_cache_bytes,
+    load_documents,
+    make_windows,
+)
+from dflash_server.tools.train_forward import (
+    TrainBatch,
+    default_gamma,
+    loss_and_metrics,
+    position_weights,
+)
+from dflash_server.tools.train_init import init_drafter
+
+# Kept in a subfolder: load_draft reads every *.safetensors at the checkpoint's top level.
+STATE_DIR, STATE_JSON, STATE_WEIGHTS = "training", "trainer_state.json", "state.safetensors"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash-serve train",
+        description="Distil (or fine-tune) a DFlash drafter for an mlx-lm target model.",
+    )
+    p.add_argument("--target", required=True, help="mlx-lm target: HF repo id or local folder")
+    p.add_argument("--data", required=True, help="JSONL (messages/text), text file, or folder")
+    p.add_argument("--out", required=True, help="output folder (checkpoints, logs)")
+    p.add_argument(
+        "--init",
+        default="new",
+        help="'new' (fresh drafter from the flags below), a drafter folder/hub id to fine-tune, "
+        "or a JSON file of drafter config keys over the defaults derived from the target",
+    )
+    f = p.add_argument_group("fresh drafter (--init new or a JSON config)")
+    f.add_argument("--layers", type=int, default=5, help="draft layers (5)")
+    f.add_argument("--taps", help="target layer ids, comma separated (default: spread, 5 taps)")
+    f.add_argument("--block-size", type=int, default=16, help="block size (16)")
+    f.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's spare row)")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=1000, help="total optimizer steps (1000)")
+    t.add_argument("--batch-size", type=int, default=4, help="sequences per step (4)")
+    t.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (512)")
+    t.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence (32)")
+    t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (6e-4)")
+    t.add_argument("--warmup", type=int, help="linear warm-up steps (default 4%% of --steps)")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor / peak (0.1)")
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--loss-gamma", type=float, help="row weight exp(-(j-1)/gamma) (7 for B=16)")
+    t.add_argument(
+        "--labels", choices=["target", "data"], default="target",
+        help="what the drafter learns: the target's greedy tokens (default) or the data's",
+    )  # fmt: skip
+    t.add_argument(
+        "--hidden-states", choices=["on-the-fly", "cache"], default="on-the-fly",
+        help="run the target every step (no disk) or once into --cache-dir (fast epochs)",
+    )  # fmt: skip
+    t.add_argument("--cache-dir", help="hidden-state cache folder (default: OUT/hidden_cache)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", action="store_true", help="continue from the state in --out")
+    t.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
+    t.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"])
+    e = p.add_argument_group("evaluation (real speculative loop, greedy, held-out data)")
+    e.add_argument("--eval-every", type=int, default=0, help="tau every N steps (0: start/end)")
+    e.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts (0: no eval)")
+    e.add_argument("--eval-prompt-len", type=int, default=64)
+    e.add_argument("--eval-tokens", type=int, default=64)
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _schedule(args: argparse.Namespace) -> Any:
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 25)
+    decay = optim.cosine_decay(args.lr, max(1, args.steps - warmup), args.lr * args.min_lr_ratio)
+    return optim.join_schedules([optim.linear_schedule(0.0, args.lr, warmup), decay], [warmup])
+
+
+def _validate(args: argparse.Namespace) -> None:
+    checks = [
+        ("--steps", args.steps >= 1, ">= 1"),
+        ("--batch-size", args.batch_size >= 1, ">= 1"),
+        ("--anchors", args.anchors >= 1, ">= 1"),
+        ("--lr", args.lr > 0, "> 0"),
+        ("--eval-prompts", args.eval_prompts >= 0, ">= 0"),
+    ]
+    for flag, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{flag} must be {rule}")
+
+
+def _eval_tau(model: nn.Module, draft: DFlashDraftModel, prompts: np.ndarray, n: int) -> float:
+    return decode(model, draft, [p.tolist() for p in prompts], n).tau
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, log: Any = print):
+        from dflash_server.models.loading import load
+
+        _validate(args)
+        self.args, self.log, self.out = args, log, Path(args.out).expanduser()
+        self.model, self.tokenizer = load(str(args.target))
+        mx.random.seed(args.seed)  # fresh weights are a function of --seed: runs are repeatable
+        self.draft, self.config, self.init_dtype = init_drafter(args, self.model, self.tokenizer)
+        cfg = self.draft.config
+        self.B = cfg.block_size
+        if args.seq_len < self.B + 1:
+            raise ValueError(f"--seq-len {args.seq_len} must be > the block size {self.B}")
+        self.K = min(args.anchors, args.seq_len - self.B)
+        docs = load_documents(args.data, self.tokenizer)
+        eos = self.tokenizer.eos_token_id
+        windows = make_windows(docs, args.seq_len, eos)
+        n_eval = args.eval_prompts
+        if len(windows) < n_eval + 1:
+            tokens = sum(len(d) for d in docs)
+            raise ValueError(
+                f"not enough training text in --data {args.data}: {len(docs)} document(s), "
+                f"{tokens} tokens make {len(windows)} window(s) of --seq-len {args.seq_len}; "
+                f"need at least {n_eval + 1} ({n_eval} held out for --eval-prompts)"
+            )
+        self.train_windows = windows[: len(windows) - n_eval]
+        eval_len = min(args.eval_prompt_len, args.seq_len)
+        self.eval_prompts = windows[len(windows) - n_eval :, :eval_len]
+        self.target = TargetModel.of(self.model, cfg.target_layer_ids)
+        use_target = args.labels == "target"
+        if args.hidden_states == "cache":
+            folder = Path(args.cache_dir or self.out / "hidden_cache").expanduser()
+            self.source: Any = DiskCache(folder, self.train_windows, use_target)
+            size = estimate_cache_bytes(
+                self.train_windows, len(cfg.target_layer_ids), cfg.hidden_size
+            )
+            log(f"hidden-state cache: {folder} ({size / 2**20:.1f} MiB)")
+            if self.source.build(self.target, str(args.target)):
+                log("hidden-state cache built")
+        else:
+            self.source = OnTheFly(self.target, self.train_windows, use_target)
+        gamma = args.loss_gamma if args.loss_gamma is not None else default_gamma(self.B)
+        self.weights = position_weights(self.B, gamma)
+        self.optimizer = optim.AdamW(learning_rate=_schedule(args), weight_decay=args.weight_decay)
+        self.optimizer.init(self.draft.trainable_parameters())
+        self.step, self.history = 0, {"eval": [], "train": []}
+        if args.resume:
+            self._load_state()
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _load_state(self) -> None:
+        meta_file = self.out / STATE_DIR / STATE_JSON
+        if not meta_file.exists():
+            raise FileNotFoundError(f"--resume: no {STATE_DIR}/{STATE_JSON} in {self.out}")
+        meta = json.loads(meta_file.read_text())
+        if meta["config"] != self.config:
+            raise ValueError("--resume: the drafter config in --out differs from this run's")
+        arrays = mx.load(str(self.out / STATE_DIR / STATE_WEIGHTS))
+        params = [(k[6:], v) for k, v in arrays.items() if k.startswith("param.")]
+        self.draft.load_weights(params, strict=True)
+        opt = [(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")]
+        self.optimizer.state = tree_unflatten(opt)
+        self.step, self.history = meta["step"], meta["history"]
+        self.log(f"resumed at step {self.step}")
+
+    def save(self) -> None:
+        save_dtype = self.args.save_dtype or self.init_dtype
+        export = DFlashDraftModel(self.draft.config)
+        export.load_weights(list(tree_flatten(self.draft.parameters())))
+        export.set_dtype(getattr(mx, save_dtype))
+        evals = self.history["eval"]
+        lines = [
+            f"Trained with `dflash-serve train` for target `{self.args.target}` on "
+            f"`{self.args.data}`: {self.step} steps, labels from the {self.args.labels}.",
+        ]
+        if evals:
+            lines.append(f"Held-out greedy tau: {evals[0]['tau']:.2f} -> {evals[-1]['tau']:.2f}.")
+        config = {**self.config, "torch_dtype": save_dtype}
+        save_drafter(export, self.out, config, model_card("DFlash drafter", lines, config))
+        arrays = {f"param.{k}": v for k, v in tree_flatten(self.draft.parameters())}
+        arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
+        (self.out / STATE_DIR).mkdir(exist_ok=True)
+        mx.save_safetensors(str(self.out / STATE_DIR / STATE_WEIGHTS), arrays)
+        meta = {"step": self.step, "config": self.config, "history": self.history}
+        (self.out / STATE_DIR / STATE_JSON).write_text(json.dumps(meta, indent=1))
+
+    # -- loop ---------------------------------------------------------------------------------
+
+    def _batch(self, step: int) -> TrainBatch:
+        """Deterministic in (seed, step), so a resumed run sees the batches it would have seen."""
+        rng = np.random.default_rng([self.args.seed, step])
+        n, T = self.train_windows.shape
+        if isinstance(self.source, DiskCache):
+            rows = self.source.shard_rows(rng, self.args.batch_size)
+        else:
+            rows = rng.choice(n, size=self.args.batch_size, replace=n < self.args.batch_size)
+        anchors = np.stack(
+            [1 + rng.choice(T - self.B, size=self.K, replace=False) for _ in rows]
+        ).astype(np.int32)
+        tokens, labels, taps = self.source.batch(rows)
+        return TrainBatch(tokens, labels, taps, mx.array(anchors))
+
+    def evaluate(self) -> float | None:
+        if not len(self.eval_prompts):
+            return None
+        tau = _eval_tau(self.model, self.draft, self.eval_prompts, self.args.eval_tokens)
+        self.history["eval"].append({"step": self.step, "tau": round(tau, 4)})
+        self.log(f"step {self.step}: held-out tau {tau:.3f}")
+        return tau
+
+    def run(self) -> dict[str, Any]:
+        args = self.args
+        loss_grad = nn.value_and_grad(self.draft, loss_and_metrics)
+        if self.step == 0 or not self.history["eval"]:
+            self.evaluate()
+        bar = None
+        if not args.quiet:
+            from tqdm import tqdm
+
+            bar = tqdm(total=args.steps, initial=self.step, desc="train", file=sys.stderr)
+        start, tokens, loss_v = time.perf_counter(), 0, float("nan")
+        window_loss: list[float] = []
+        while self.step < args.steps:
+            batch = self._batch(self.step)
+            (loss, acc, accepted), grads = loss_grad(self.draft, batch, self.weights)
+            grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
+            self.optimizer.update(self.draft, grads)
+            mx.eval(self.draft.parameters(), self.optimizer.state, loss, acc, accepted)
+            self.step += 1
+            tokens += batch.tokens.size
+            loss_v = loss.item()
+            window_loss.append(loss_v)
+            rate = tokens / (time.perf_counter() - start)
+            if bar is not None:
+                bar.set_postfix(
+                    loss=f"{loss_v:.3f}", acc=f"{acc.item():.2f}",
+                    acc_len=f"{accepted.item():.2f}", tok_s=f"{rate:.0f}",
+                )  # fmt: skip
+                bar.update(1)
+            if self.step % 10 == 0 or self.step == args.steps:
+                self.history["train"].append(
+                    {"step": self.step, "loss": round(float(np.mean(window_loss)), 4),
+                     "acc": round(acc.item(), 4), "accepted": round(accepted.item(), 4)}
+                )  # fmt: skip
+                window_loss.clear()
+            if args.eval_every and self.step % args.eval_every == 0 and self.step < args.steps:
+                self.evaluate()
+            if args.save_every and self.step % args.save_every == 0:
+                self.save()
+        if bar is not None:
+            bar.close()
+        seconds = time.perf_counter() - start
+        if not self.history["eval"] or self.history["eval"][-1]["step"] != self.step:
+            self.evaluate()
+        self.save()
+        evals = self.history["eval"]
+        return {
+            "steps": self.step,
+            "train_seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+            "final_loss": round(loss_v, 4),
+            "tau_before": evals[0]["tau"] if evals else None,
+            "tau_after": evals[-1]["tau"] if evals else None,
+            "out": str(self.out),
+        }
+
+
+def train(argv: Sequence[str], log: Any = print) -> dict[str, Any]:
+    """Parse ``argv`` like the CLI and train; returns the summary (raises on bad input)."""
+    return Trainer(build_parser().parse_args(list(argv)), log).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = Trainer(args).run()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dflash-serve train: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=1))
+    return 0
