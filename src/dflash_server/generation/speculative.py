@@ -82,8 +82,8 @@ class Commit:
     def truncate(self, n: int) -> Commit:
         if n >= len(self.tokens):
             return self
-        cut = lambda xs: None if xs is None else xs[:n]  # noqa: E731
-        return Commit(self.tokens[:n], cut(self.logprobs), cut(self.top_logprobs))
+        top = None if self.top_logprobs is None else self.top_logprobs[:n]
+        return Commit(self.tokens[:n], self.logprobs and self.logprobs[:n], top)
 
 
 @dataclass
@@ -149,7 +149,7 @@ class SpeculativeDecoder:
         """The target's processed logits per row: penalties, then the constraint's mask."""
         if drafts is None:
             logits = self.sampler.process(logits, history)
-        else:
+        elif self.sampler.processors:
             logits = self.sampler.process_rows(logits, history, mx.array(drafts))
         if self.constraint is not None:
             logits = apply_mask(logits, self.constraint.allowed([] if drafts is None else drafts))

@@ -9,7 +9,6 @@ borrowed from the target with ``bind``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -294,9 +293,3 @@ def check_pair(config: DFlashConfig, hidden_size: int, vocab_size: int, num_laye
             + "; ".join(problems)
             + ". Pick the drafter trained for this target (e.g. a 9B drafter for a 9B target)."
         )
-
-
-def num_parameters(module: nn.Module) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(math.prod(v.shape) for _, v in tree_flatten(module.parameters()))
