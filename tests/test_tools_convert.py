@@ -11,6 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_server import load_draft, stream_generate
+from dflash_server.cli import main as cli_main
 from dflash_server.testing import random_drafter
 from dflash_server.tools.convert import convert, main
 
@@ -75,7 +76,7 @@ def test_cast_and_requantize(tiny_hybrid, drafter_dir, tmp_path):
 def test_cli_report_and_errors(drafter_dir, tiny_hybrid_path, tmp_path, capsys):
     out = tmp_path / "cli"
     argv = [str(drafter_dir), "--out", str(out), "--q-bits", "6", "--target", str(tiny_hybrid_path)]
-    assert main(argv) == 0
+    assert cli_main(["convert", *argv]) == 0  # dispatched by the dflash-serve entry point
     text = capsys.readouterr().out
     assert "size:" in text and "->" in text and "top-1 agreement" in text
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 6

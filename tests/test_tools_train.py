@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.utils import save_model
 
 from dflash_server import DFlashConfig, DFlashDraftModel, load_draft, stream_generate
+from dflash_server.cli import main as cli_main
 from dflash_server.generation.target import TargetModel
 from dflash_server.testing import _CORPUS, build_target, random_drafter
 from dflash_server.tools.target_fit import fit_lm
@@ -137,7 +138,7 @@ def test_bad_inputs_give_clear_errors(trained_target, tiny_hybrid, tmp_path, cap
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main([*base, "--data", str(empty)]) == 2
+    assert cli_main(["train", *base, "--data", str(empty)]) == 2
     assert "not enough training text" in capsys.readouterr().err
 
     bad_json = tmp_path / "bad.jsonl"

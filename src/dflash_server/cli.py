@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dflash-serve",
         description="OpenAI-compatible server for DFlash speculative decoding on MLX. "
         "Flags override DFLASH_* environment variables, which override --config.",
+        epilog="Drafter tools: 'dflash-serve convert --help', 'dflash-serve train --help'.",
         argument_default=None,
     )
     m = p.add_argument_group("models")
@@ -108,8 +109,17 @@ def _uvicorn_log_config(level: str) -> dict[str, Any]:
     return config
 
 
+# Drafter tools, dispatched before the server's flags are parsed: ``dflash-serve train ...``.
+TOOLS = {"convert": "dflash_server.tools.convert", "train": "dflash_server.tools.train"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dflash-serve``; returns the process exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in TOOLS:
+        import importlib
+
+        return importlib.import_module(TOOLS[args[0]]).main(args[1:])
     try:
         settings = load_settings(argv)
     except SettingsError as exc:
