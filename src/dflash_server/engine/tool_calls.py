@@ -1,0 +1,252 @@
+"""Parse Qwen3.5's XML tool calls out of streamed model text into OpenAI ``tool_calls``.
+
+The format (FACTS §6)::
+
+    <tool_call>
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+Values are raw text; their JSON type comes from the function's parameter schema. A call is
+emitted whole once its closing tag arrives, so a malformed call can still fall back to plain text
+(with a logged warning) instead of half-sent arguments. One parser per request.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("dflash_server")
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.S)
+# Lenient on a missing </parameter>: the value then runs to the next parameter or the end.
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return out if index is None else {"index": index, **out}
+
+
+Piece = str | ToolCall
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def tool_schemas(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Function name -> its parameters schema, from OpenAI ``tools``."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters")
+            out[fn["name"]] = params if isinstance(params, dict) else {}
+    return out
+
+
+def _types(schema: dict[str, Any] | None) -> list[str]:
+    """The JSON types a (sub)schema allows, in order; empty when it says nothing."""
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    types = [kind] if isinstance(kind, str) else list(kind or [])
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(key) or []:
+            types += [t for t in _types(sub) if t not in types]
+    if not types and "enum" in schema:
+        types = sorted({type(v).__name__ for v in schema["enum"]})
+        types = [{"str": "string", "int": "integer", "float": "number"}.get(t, t) for t in types]
+    if not types and "properties" in schema:
+        types = ["object"]
+    return types
+
+
+def coerce_value(raw: str, schema: dict[str, Any] | None) -> Any:
+    """Turn a parameter's text into the JSON value its schema asks for.
+
+    Strings stay verbatim; anything that does not parse as the declared type stays a string
+    (the client's validation then names the problem, instead of us guessing further).
+    """
+    types = _types(schema)
+    text = raw.strip()
+    if "null" in types and text.lower() in ("null", "none"):
+        return None
+    for kind in types:
+        if kind == "string":
+            return raw
+        if kind == "boolean" and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if kind == "integer" and re.fullmatch(r"[-+]?\d+", text):
+            return int(text)
+        if kind == "number":
+            try:
+                number = float(text)
+            except ValueError:
+                continue
+            return int(number) if re.fullmatch(r"[-+]?\d+", text) else number
+        if kind in ("object", "array"):
+            value = _loads(text)
+            if isinstance(value, dict if kind == "object" else list):
+                return value
+    if not types:  # no schema: JSON if it parses, else the text
+        value = _loads(text)
+        return raw if value is _FAIL else value
+    return raw
+
+
+_FAIL = object()
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:  # models sometimes write Python literals (single quotes, True/False)
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return _FAIL
+
+
+def _strip_newline(value: str) -> str:
+    """The template puts one newline around each value; the value itself keeps the rest."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def parse_call(body: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
+    """The call inside ``<tool_call>...</tool_call>``; None if malformed."""
+    match = _FUNCTION.match(body)
+    if match is None:
+        return None
+    name, inner = match.group(1).strip(), match.group(2)
+    if not name:
+        return None
+    leftover = _PARAMETER.sub("", inner)
+    if leftover.strip():
+        return None
+    properties = (schemas.get(name) or {}).get("properties") or {}
+    arguments = {}
+    for m in _PARAMETER.finditer(inner):
+        key = m.group(1).strip()
+        arguments[key] = coerce_value(_strip_newline(m.group(2)), properties.get(key))
+    if name not in schemas:
+        log.warning("model called unknown tool %r; passing the call on", name)
+    return ToolCall(
+        f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False)
+    )
+
+
+class ToolCallParser:
+    """Incremental: ``feed`` text chunks, then ``finish`` once; both return pieces in order.
+
+    A piece is text (safe to show: no markup, possibly a held-back tail released later) or a
+    complete ToolCall. After a call, whitespace-only text is dropped (the model's separators).
+    """
+
+    def __init__(self, tools: Sequence[dict[str, Any]] | None, parallel: bool = True) -> None:
+        self.schemas = tool_schemas(tools)
+        self.parallel = parallel
+        self.calls: list[ToolCall] = []
+        self._buf = ""
+        self._in_call = False
+        self._space = ""  # whitespace after a call, kept until we know text follows
+
+    def feed(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        self._buf += text
+        while True:
+            if not self._in_call:
+                i = self._buf.find(CALL_START)
+                if i < 0:
+                    keep = _partial_suffix(self._buf, CALL_START)
+                    self._text(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return out
+                self._text(self._buf[:i], out)
+                self._buf, self._in_call = self._buf[i + len(CALL_START) :], True
+            else:
+                j = self._buf.find(CALL_END)
+                if j < 0:
+                    return out
+                body, self._buf = self._buf[:j], self._buf[j + len(CALL_END) :]
+                self._in_call = False
+                self._call(body, out)
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self._in_call:
+            # The model may stop right after </function>; without it the call is unusable.
+            body, self._buf, self._in_call = self._buf, "", False
+            if "</function>" in body:
+                self._call(body, out)
+            else:
+                self._malformed(body, out, "unterminated")
+        self._text(self._buf, out)
+        self._buf = ""
+        return out
+
+    def _text(self, text: str, out: list[Piece]) -> None:
+        if not text:
+            return
+        if self.calls:
+            if not text.strip():
+                self._space += text
+                return
+            text, self._space = self._space + text, ""
+        out.append(text)
+
+    def _call(self, body: str, out: list[Piece]) -> None:
+        call = parse_call(body, self.schemas)
+        if call is None:
+            self._malformed(body, out, "malformed")
+            return
+        self._space = ""
+        if self.calls and not self.parallel:
+            log.warning("parallel_tool_calls is false: dropping extra call to %r", call.name)
+            return
+        self.calls.append(call)
+        out.append(call)
+
+    def _malformed(self, body: str, out: list[Piece], why: str) -> None:
+        raw = CALL_START + body + (CALL_END if why == "malformed" else "")
+        log.warning("%s tool call from the model, returned as text: %r", why, raw[:200])
+        if self.calls:
+            raw, self._space = self._space + raw, ""
+        out.append(raw)
+
+
+def split_tool_calls(
+    text: str, tools: Sequence[dict[str, Any]] | None, parallel: bool = True
+) -> tuple[str, list[ToolCall]]:
+    """Whole-text version: (text without the calls, calls)."""
+    parser = ToolCallParser(tools, parallel)
+    pieces = parser.feed(text) + parser.finish()
+    return "".join(p for p in pieces if isinstance(p, str)), parser.calls
