@@ -48,8 +48,11 @@ _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary(
 _LOCK = threading.Lock()
 
 
-def _hf_tokenizer(tokenizer: Any) -> Any:
-    return getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper wraps it
+def hf_tokenizer(tokenizer: Any) -> Any:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    # mlx-lm's wrapper holds the HF tokenizer (which itself has a Rust `_tokenizer`).
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
 def ll_tokenizer(tokenizer: Any) -> Any:
@@ -57,7 +60,7 @@ def ll_tokenizer(tokenizer: Any) -> Any:
     llg = _require()
     import llguidance.hf
 
-    hf = _hf_tokenizer(tokenizer)
+    hf = hf_tokenizer(tokenizer)
     with _LOCK:
         cached = _LL_TOKENIZERS.get(hf)
         if cached is None:
@@ -107,7 +110,7 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
 
 def _marker(ll: Any, tokenizer: Any, text: str) -> str:
     """A lark item for a markup string: by id if it is one special token, else as text."""
-    ids = _hf_tokenizer(tokenizer).encode(text, add_special_tokens=False)
+    ids = hf_tokenizer(tokenizer).encode(text, add_special_tokens=False)
     if len(ids) == 1 and ll.is_special_token(ids[0]):
         return f"<[{ids[0]}]>"
     return json.dumps(text)
