@@ -1,0 +1,134 @@
+"""The Qwen3.5 XML tool-call parser: token-split input, several calls, typing, malformed calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from dflash_server.engine.tool_calls import (
+    ToolCall,
+    ToolCallParser,
+    coerce_value,
+    split_tool_calls,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "ratio": {"type": "number"},
+                    "hours": {"type": "array", "items": {"type": "integer"}},
+                    "opts": {"type": "object"},
+                    "note": {"type": ["string", "null"]},
+                },
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}},
+]
+
+CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+    "<parameter=ratio>\n0.5\n</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n"
+    '<parameter=opts>\n{"a": {"b": null}}\n</parameter>\n<parameter=note>\nnull\n</parameter>\n'
+    "</function>\n</tool_call>"
+)
+WANT = {
+    "city": "New York",
+    "days": 3,
+    "metric": True,
+    "ratio": 0.5,
+    "hours": [1, 2],
+    "opts": {"a": {"b": None}},
+    "note": None,
+}
+
+
+def _run(pieces: list[str], parallel: bool = True) -> tuple[str, list[ToolCall]]:
+    parser = ToolCallParser(TOOLS, parallel)
+    out = []
+    for piece in pieces:
+        out += parser.feed(piece)
+    out += parser.finish()
+    text = "".join(p for p in out if isinstance(p, str))
+    calls = [p for p in out if isinstance(p, ToolCall)]
+    assert calls == parser.calls
+    return text, calls
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_split_at_every_position(step: int) -> None:
+    text = "Let me check.\n\n" + CALL + "\n" + CALL.replace("New York", "Paris") + "\n"
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    content, calls = _run(pieces)
+    assert content == "Let me check.\n\n"
+    assert [c.name for c in calls] == ["get_weather", "get_weather"]
+    assert json.loads(calls[0].arguments) == WANT
+    assert json.loads(calls[1].arguments)["city"] == "Paris"
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+
+
+def test_streamed_text_never_contains_markup() -> None:
+    parser = ToolCallParser(TOOLS)
+    text = "ok <tool_" + "call>\n<function=noop>\n</function>\n</tool_call> done <tool"
+    seen = []
+    for ch in text:
+        seen += [p for p in parser.feed(ch) if isinstance(p, str)]
+        assert "<tool" not in "".join(seen)
+    seen += [p for p in parser.finish() if isinstance(p, str)]
+    assert "".join(seen) == "ok  done <tool"  # an unfinished tag prefix is released at the end
+    assert parser.calls[0].arguments == "{}"
+
+
+def test_values_typed_by_schema() -> None:
+    assert coerce_value("42", {"type": "integer"}) == 42
+    assert coerce_value("42", {"type": "string"}) == "42"
+    assert coerce_value("4.0", {"type": "number"}) == 4.0
+    assert coerce_value("False", {"type": "boolean"}) is False
+    assert coerce_value("{'a': True}", {"type": "object"}) == {"a": True}  # Python literal
+    assert coerce_value("x", {"anyOf": [{"type": "integer"}, {"type": "string"}]}) == "x"
+    assert coerce_value("7", {"anyOf": [{"type": "integer"}, {"type": "string"}]}) == 7
+    assert coerce_value("[1]", None) == [1] and coerce_value("hi there", None) == "hi there"
+    assert coerce_value("abc", {"type": "integer"}) == "abc"  # left for the client to reject
+    assert coerce_value("  two\nlines ", {"type": "string"}) == "  two\nlines "
+
+
+def test_malformed_call_is_text_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    bad = "<tool_call>\n<function=noop>\nstray words\n</function>\n</tool_call>"
+    with caplog.at_level(logging.WARNING, logger="dflash_server"):
+        content, calls = _run(["a ", bad, " b"])
+    assert calls == [] and content == "a " + bad + " b"
+    assert "malformed tool call" in caplog.text
+    content, calls = _run(["x <tool_call>\n<function=noop>\n<parameter=a>\n1"])
+    assert calls == [] and content.startswith("x <tool_call>")  # cut off by max_tokens
+
+
+def test_missing_close_tags_are_tolerated() -> None:
+    # Stopped right after </function> (EOS instead of </tool_call>), and no </parameter>.
+    text = "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</function>"
+    content, calls = _run([text])
+    assert content == "" and json.loads(calls[0].arguments) == {"days": 2}
+
+
+def test_parallel_false_keeps_first_call() -> None:
+    content, calls = _run([CALL, "\n", CALL], parallel=False)
+    assert content == "" and len(calls) == 1
+
+
+def test_whole_text_helper_and_unknown_tool() -> None:
+    text, calls = split_tool_calls(
+        "<tool_call>\n<function=other>\n<parameter=q>\nhi\n</parameter>\n</function>\n</tool_call>",
+        TOOLS,
+    )
+    assert text == "" and calls[0].name == "other" and json.loads(calls[0].arguments) == {"q": "hi"}
+    assert calls[0].as_openai(0)["function"]["name"] == "other"
