@@ -142,3 +142,18 @@ def test_dflash_serve_process_starts_logs_and_serves(
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "block size 8" in err and "weights" in err and "ready: serving 'tiny'" in err
+
+
+def test_drafter_that_does_not_fit_stops_the_server(
+    tiny_hybrid_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pair that cannot work is refused at startup with one line, and the process exits."""
+    from dflash_server.testing import build_target
+
+    wider = build_target(tmp_path / "wide", hidden_size=128)
+    draft = build_draft(tmp_path / "draft", wider)  # drafter for a 128-wide target
+    argv = ["--target", str(tiny_hybrid_path), "--draft", str(draft)]
+    assert main([*argv, "--port", str(free_port()), "--log-level", "error"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("dflash-serve: error: cannot use drafter")
+    assert "hidden_size" in err[-1] and "Traceback" not in "\n".join(err)

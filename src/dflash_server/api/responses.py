@@ -102,8 +102,7 @@ class _Stream:
             while True:
                 # At most one event per `interval` while tokens flow fast: each SSE event costs
                 # the event loop far more than a token of text, and 20 ms is below perception.
-                linger = last_sent + self.interval - time.monotonic()
-                batch = await self.job.next_events(linger=linger)
+                batch = await self.job.next_events(hold_until=last_sent + self.interval)
                 if not batch:
                     break
                 last_sent = time.monotonic()

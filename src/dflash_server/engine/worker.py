@@ -131,13 +131,13 @@ class Job:
             self._loop.call_soon_threadsafe(self._ready.set)
 
     async def next_events(
-        self, timeout: float | None = None, linger: float = 0.0
+        self, timeout: float | None = None, hold_until: float = 0.0
     ) -> list[Event] | None:
         """Wait for at least one event, then take all that are ready (consecutive text merged).
 
         Returns None on timeout and [] once the final event was already taken. Merging lets a
-        slow client receive fewer, larger SSE events instead of falling behind. ``linger``
-        waits that much longer once text is there, to gather more into the same batch.
+        slow client receive fewer, larger SSE events instead of falling behind. Once text is
+        there, waits until ``hold_until`` (a time.monotonic() value) to gather more with it.
         """
         if self._done:
             return []
@@ -154,6 +154,7 @@ class Job:
                 except asyncio.TimeoutError:
                     if not self._buffer:
                         return None
+        linger = hold_until - time.monotonic()
         if linger > 0 and not isinstance(self._buffer[-1], Finished | Failed):
             await asyncio.sleep(linger)
         events = []
