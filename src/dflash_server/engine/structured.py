@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - llguidance is a declared dependency
 
 # Whitespace between JSON tokens: flexible, but bounded, so a model cannot loop on newlines
 # forever (a known failure of unbounded JSON whitespace with small or quantized models).
-JSON_WHITESPACE = r"[ \t\n\r]{0,24}"
+JSON_WHITESPACE = r"(?: {0,2}|\r?\n[ \t]{0,32})"
 _LEADING_WS = r"/[ \t\r\n]{0,8}/"
 _BITS = mx.arange(32, dtype=mx.uint32)
 

@@ -1,0 +1,201 @@
+"""JSON-schema constrained decoding with llguidance: valid output, lossless under speculation."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import mlx.core as mx
+import pytest
+
+from dflash_server import stream_generate
+from dflash_server.engine.structured import (
+    GrammarConstraint,
+    StructuredOutputError,
+    check_grammar,
+    response_format_grammar,
+    tool_call_grammar,
+)
+from dflash_server.testing import ReplayDrafter, random_drafter
+
+# Bounded (maxLength, maxItems, ranges) so a random model always finishes within max_tokens.
+NAME = {"type": "string", "maxLength": 10}
+SCHEMAS: list[dict[str, Any]] = [
+    {  # nested objects + required
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": NAME,
+                    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+        "additionalProperties": False,
+    },
+    {  # enums + arrays
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "sizes": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3},
+            "tags": {"type": "array", "items": NAME, "maxItems": 1},
+        },
+        "required": ["color", "sizes", "tags"],
+        "additionalProperties": False,
+    },
+    {  # array at the top level, objects inside
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "label": NAME},
+            "required": ["id", "label"],
+            "additionalProperties": False,
+        },
+        "minItems": 1,
+        "maxItems": 2,
+    },
+]
+PROMPT = "Answer in JSON:"
+N = 256
+
+
+def _grammar(schema: dict[str, Any]) -> str:
+    return response_format_grammar(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    )
+
+
+def _run(
+    model: Any, tokenizer: Any, draft: Any, grammar: str, block: int = 16, **kw: Any
+) -> tuple[list[int], str]:
+    ids = tokenizer.encode(PROMPT)
+    think_end = kw.pop("think_end", None)
+    constraint = GrammarConstraint(tokenizer, grammar, think_end)
+    out = list(
+        stream_generate(
+            model, draft, tokenizer, ids, block, max_tokens=N, constraint=constraint, **kw
+        )
+    )
+    assert out[-1].finish_reason == "stop"  # the grammar ended it, not max_tokens
+    return [t for r in out for t in r.tokens], "".join(r.text for r in out)
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_schema_output_validates_and_speculation_is_lossless(tiny_hybrid, index: int) -> None:
+    model, tokenizer = tiny_hybrid
+    schema = SCHEMAS[index]
+    grammar = _grammar(schema)
+    plain, text = _run(model, tokenizer, None, grammar)
+    jsonschema.validate(json.loads(text), schema)
+    ids = tokenizer.encode(PROMPT)
+    replay = ReplayDrafter(ids + plain, [0, 15, 3, 7], random_drafter(model))
+    spec, spec_text = _run(model, tokenizer, replay, grammar)
+    assert spec == plain and spec_text == text
+    if index == 0:  # a real (random) drafter too: its drafts are mostly outside the grammar
+        assert _run(model, tokenizer, random_drafter(model), grammar, 4)[0] == plain
+
+
+def test_sampled_output_validates(tiny_hybrid) -> None:
+    model, tokenizer = tiny_hybrid
+    for seed, schema in enumerate(SCHEMAS):
+        _, text = _run(
+            model, tokenizer, random_drafter(model), _grammar(schema), 4, temperature=0.9, seed=seed
+        )
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_mode(tiny_attn) -> None:
+    model, tokenizer = tiny_attn
+    grammar = response_format_grammar({"type": "json_object"})
+    ids = tokenizer.encode(PROMPT)
+    constraint = GrammarConstraint(tokenizer, grammar)
+    out = list(stream_generate(model, None, tokenizer, ids, max_tokens=60, constraint=constraint))
+    text = "".join(r.text for r in out)
+    # Unbounded free-form JSON may run out of tokens; whatever came must be a JSON prefix.
+    if out[-1].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    assert text.lstrip().startswith("{")
+
+
+def test_grammar_starts_after_reasoning(tiny_hybrid) -> None:
+    """With thinking on, reasoning is free text; the schema applies after the think-end token."""
+    model, tokenizer = tiny_hybrid
+    end = tokenizer.think_end_id
+    schema = SCHEMAS[1]
+    # Bias the (otherwise never chosen) think-end token so that reasoning ends after a few
+    # free tokens; the right bias depends on the random weights, so look for one.
+    ids = tokenizer.encode(PROMPT)
+    for bias in (1.5, 2.0, 1.0, 2.5, 3.0):
+        free = [t for r in stream_generate(model, None, tokenizer, ids, max_tokens=16,
+                                           logit_bias={end: bias}) for t in r.tokens]  # fmt: skip
+        if end in free[1:]:
+            break
+    kw = {"think_end": end, "logit_bias": {end: bias}}
+    plain, text = _run(model, tokenizer, None, _grammar(schema), **kw)
+    assert end in plain and plain.index(end) > 0  # some free reasoning first
+    assert plain[: plain.index(end)] == free[: free.index(end)]  # reasoning was not constrained
+    _, answer = text.split("</think>")
+    jsonschema.validate(json.loads(answer), schema)
+    replay = ReplayDrafter(ids + plain, [2, 15, 0], random_drafter(model))
+    assert _run(model, tokenizer, replay, _grammar(schema), **kw)[0] == plain
+
+
+def test_masks_along_a_drafted_path(tiny_hybrid) -> None:
+    _, tokenizer = tiny_hybrid
+    constraint = GrammarConstraint(tokenizer, _grammar({"type": "boolean"}))
+    true = tokenizer.encode("true")
+    rows = constraint.allowed([*true, 10_000])  # an id past the vocabulary is simply refused
+    assert rows.shape == (len(true) + 2, constraint.width)
+    for i, token in enumerate(true):
+        assert rows[i, token].item()
+    eos = tokenizer.eos_token_ids
+    assert all(rows[len(true), e].item() for e in eos)  # after "true": only the end
+    assert rows[len(true)].sum().item() == len(eos)
+    constraint.commit(true[:1])  # the committed state advanced; drafts left no trace
+    assert constraint.allowed([])[0, true[1]].item()
+    assert mx.array(constraint.rows) > 0
+
+
+@pytest.mark.parametrize(
+    ("schema", "feature"),
+    [
+        ({"not": {"type": "string"}}, "not"),
+        ({"type": "string", "pattern": "(?<=a)b"}, "look-around"),
+        ({"type": "string", "format": "weird"}, "weird"),
+        ({"$ref": "#/$defs/missing"}, "missing"),
+    ],
+)
+def test_unsupported_schema_names_the_feature(tiny_hybrid, schema: dict, feature: str) -> None:
+    _, tokenizer = tiny_hybrid
+    with pytest.raises(StructuredOutputError, match=feature):
+        check_grammar(tokenizer, _grammar(schema))
+
+
+def test_bad_response_formats() -> None:
+    assert response_format_grammar({"type": "text"}) is None
+    with pytest.raises(StructuredOutputError, match="grammar"):
+        response_format_grammar({"type": "grammar"})
+    with pytest.raises(StructuredOutputError, match="json_schema"):
+        response_format_grammar({"type": "json_schema"})
+
+
+def test_forced_tool_call_grammar(tiny_hybrid) -> None:
+    model, tokenizer = tiny_hybrid
+    grammar = tool_call_grammar(tokenizer, ["get_weather"])
+    check_grammar(tokenizer, grammar)
+    ids = tokenizer.encode(PROMPT)
+    out = list(
+        stream_generate(
+            model, None, tokenizer, ids, max_tokens=30,
+            constraint=GrammarConstraint(tokenizer, grammar),
+        )
+    )  # fmt: skip
+    text = "".join(r.text for r in out).lstrip()
+    assert text.startswith("<tool_call>\n<function=get_weather>\n"[: len(text)])
+    assert len(text) >= len("<tool_call>\n<function=get_weather>\n")
