@@ -6,6 +6,8 @@ always gets a proper status code instead of an error inside an already-open stre
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,7 +21,14 @@ from dflash_server.api.types import (
     SamplingFields,
     unsupported_features,
 )
+from dflash_server.engine.logprobs import MAX_TOP_LOGPROBS
 from dflash_server.engine.prompts import Prompt, PromptError, render_chat, render_completion
+from dflash_server.engine.structured import (
+    StructuredOutputError,
+    check_grammar,
+    response_format_grammar,
+    tool_call_grammar,
+)
 from dflash_server.engine.worker import Engine, GenerationParams
 from dflash_server.settings import Settings
 
@@ -34,6 +43,8 @@ class Prepared:
     model: str
     stream: bool
     include_usage: bool
+    tools: list[dict[str, Any]] | None = None  # parse tool calls against these (None: don't)
+    parallel_tool_calls: bool = True
 
 
 def check_model(requested: str | None, settings: Settings) -> None:
@@ -81,11 +92,128 @@ def _message_dict(msg: ChatMessage, index: int) -> dict[str, Any]:
     reasoning = msg.reasoning_content or msg.reasoning
     if reasoning:
         out["reasoning_content"] = reasoning
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id"):
         value = getattr(msg, key)
         if value is not None:
             out[key] = value
+    if msg.tool_calls:
+        out["tool_calls"] = [_history_call(c, index) for c in msg.tool_calls]
     return out
+
+
+def _history_call(call: dict[str, Any], index: int) -> dict[str, Any]:
+    """An assistant tool call from the history, its arguments as a mapping for the template."""
+    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as exc:
+            raise APIError(
+                400,
+                f"tool call arguments must be a JSON object: {exc}",
+                param=f"messages.{index}.tool_calls",
+                code="invalid_value",
+            ) from exc
+    if not isinstance(args, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(
+            400,
+            "each tool call needs function.name and object arguments",
+            param=f"messages.{index}.tool_calls",
+            code="invalid_value",
+        )
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, list[str] | None]:
+    """(tools to render and parse, function names a grammar must force, if any)."""
+    tools = req.tools or None
+    names: list[str] = []
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(
+                400,
+                "only function tools are supported: {'type': 'function', 'function': {'name': ...}}",
+                param=f"tools.{i}",
+                code="invalid_value",
+            )
+        names.append(fn["name"])
+    choice = req.tool_choice
+    if choice in (None, "auto"):
+        return tools, None
+    if choice == "none":
+        return None, None  # no tools in the prompt: the model answers in text
+    if choice == "required":
+        if not tools:
+            raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        return tools, names
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str) or name not in names:
+        raise APIError(
+            400,
+            "tool_choice must be 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': <one of tools>}}",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    return tools, [name]
+
+
+def _logprobs(req: SamplingFields) -> int | None:
+    """How many alternatives per token to report; None: no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        top = req.top_logprobs
+        if not req.logprobs:
+            if top:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        param = "top_logprobs"
+    else:
+        if req.logprobs is None or req.logprobs is False:
+            return None
+        top, param = req.logprobs, "logprobs"
+    if top is None:
+        return 0
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise APIError(
+            400,
+            f"{param} must be an integer between 0 and {MAX_TOP_LOGPROBS}",
+            param=param,
+            code="invalid_value",
+        )
+    return top
+
+
+def _grammar(
+    tokenizer: Any, response_format: dict[str, Any] | None, tool_names: list[str] | None
+) -> str | None:
+    """The grammar for response_format or a forced tool call (400 if it cannot be enforced)."""
+    try:
+        grammar = response_format_grammar(response_format)
+    except StructuredOutputError as exc:
+        raise APIError(400, str(exc), param="response_format", code="invalid_value") from exc
+    if tool_names is not None:
+        if grammar is not None:
+            raise APIError(
+                400,
+                "response_format and a forced tool_choice cannot both constrain one answer",
+                param="response_format",
+            )
+        try:
+            grammar = tool_call_grammar(tokenizer, tool_names)
+            check_grammar(tokenizer, grammar)
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), param="tool_choice", code="invalid_value") from exc
+        return grammar
+    if grammar is not None:
+        try:
+            check_grammar(tokenizer, grammar)
+        except StructuredOutputError as exc:
+            raise APIError(
+                400, str(exc), param="response_format", code="unsupported_schema"
+            ) from exc
+    return grammar
 
 
 def _thinking(req: ChatCompletionRequest, default: bool) -> bool:
@@ -158,25 +286,38 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
     thinking = _thinking(req, settings.enable_thinking)
+    tools, forced = _tools(req)
+    logprobs = _logprobs(req)
+    tokenizer = engine.models.tokenizer
     try:
         # Templates and tokenizers are CPU work: keep them off the event loop.
         prompt = await run_in_threadpool(
             render_chat,
-            engine.models.tokenizer,
+            tokenizer,
             messages,
             enable_thinking=thinking,
             template_kwargs=kwargs,
+            tools=tools,
         )
     except PromptError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_messages") from exc
+    grammar = await run_in_threadpool(_grammar, tokenizer, req.response_format, forced)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    params = _params(req, settings, engine, len(prompt.tokens), max_tokens)
+    # With reasoning open, the grammar starts after the think-end token (see structured.py).
+    think_end = getattr(tokenizer, "think_end_id", None) if prompt.opens_reasoning else None
+    params = dataclasses.replace(
+        params, logprobs=logprobs, grammar=grammar, think_end=think_end if grammar else None
+    )
     return Prepared(
         kind="chat",
         prompt=prompt,
-        params=_params(req, settings, engine, len(prompt.tokens), max_tokens),
+        params=params,
         model=req.model or settings.model_id,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        tools=tools,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
     )
 
 
@@ -199,10 +340,11 @@ async def prepare_completion(
         if vocab and any(not 0 <= t < vocab for t in raw):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
     prompt = await run_in_threadpool(render_completion, tokenizer, raw)
+    params = _params(req, settings, engine, len(prompt.tokens), req.max_tokens)
     return Prepared(
         kind="completion",
         prompt=prompt,
-        params=_params(req, settings, engine, len(prompt.tokens), req.max_tokens),
+        params=dataclasses.replace(params, logprobs=_logprobs(req)),
         model=req.model or settings.model_id,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),

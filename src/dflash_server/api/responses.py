@@ -2,7 +2,9 @@
 
 Streams follow OpenAI exactly: the first chat chunk carries the role, the last choice chunk
 carries ``finish_reason`` (and our ``dflash`` stats), an optional usage chunk with no choices
-follows when ``stream_options.include_usage`` is set, then ``data: [DONE]``.
+follows when ``stream_options.include_usage`` is set, then ``data: [DONE]``. Tool calls go out
+as ``delta.tool_calls[index]`` (each call whole, once parsed); logprobs ride on the chunk that
+carries their tokens' text (or the next one, when text is held back).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared
+from dflash_server.engine.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from dflash_server.engine.prompts import think_markers
 from dflash_server.engine.reasoning import ReasoningSplitter
+from dflash_server.engine.tool_calls import ToolCall, ToolCallParser
 from dflash_server.engine.worker import Failed, Finished, Job, TextChunk
 
 DONE = "[DONE]"
@@ -40,6 +44,42 @@ def _error(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
 
+class ChatText:
+    """Model text -> reasoning, content and tool calls, incrementally.
+
+    Tool calls are cut out first, so their markup never reaches either text field, also when
+    the model calls from inside its reasoning; the rest is split at the think markers.
+    """
+
+    def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
+        start, end = think_markers(tokenizer)
+        self.splitter = ReasoningSplitter(prepared.prompt.opens_reasoning, start, end)
+        self.tools = (
+            ToolCallParser(prepared.tools, prepared.parallel_tool_calls) if prepared.tools else None
+        )
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
+        if self.tools is None:
+            pieces: list[str | ToolCall] = [text]
+        else:
+            pieces = self.tools.feed(text) + (self.tools.finish() if final else [])
+        reasoning, content, calls = "", "", []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                calls.append(piece)
+                continue
+            r, c = self.splitter.feed(piece)
+            reasoning, content = reasoning + r, content + c
+        if final:
+            r, c = self.splitter.finish()
+            reasoning, content = reasoning + r, content + c
+        return reasoning, content, calls
+
+    def finish_reason(self, reason: str) -> str:
+        called = self.tools is not None and self.tools.calls
+        return "tool_calls" if called and reason == "stop" else reason
+
+
 class _Stream:
     """Shared chunk framing for chat and text completion streams."""
 
@@ -49,9 +89,11 @@ class _Stream:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
-        start, end = think_markers(tokenizer)
-        self.splitter = (
-            ReasoningSplitter(prepared.prompt.opens_reasoning, start, end) if chat else None
+        self.chat = ChatText(prepared, tokenizer) if chat else None
+        self.calls = 0  # tool calls sent so far (their delta index)
+        self.sent = 0  # completion characters sent so far (logprobs text_offset)
+        self.logprobs: list[TokenLogprob] | None = (
+            [] if prepared.params.logprobs is not None else None
         )
 
     def chunk(self, choice: dict[str, Any], **extra: Any) -> str:
@@ -64,30 +106,53 @@ class _Stream:
         }
         return _dumps(base | extra)
 
-    def text_chunk(self, text: str, finish: str | None = None) -> str | None:
+    def _take_logprobs(self) -> dict[str, Any] | None:
+        """The logprobs not yet sent, in this endpoint's shape (None when not asked for)."""
+        if self.logprobs is None:
+            return None
+        entries, self.logprobs = self.logprobs, []
+        if self.chat is not None:
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self.sent)
+        return out
+
+    def text_chunk(self, ev: TextChunk | None, final: bool = False) -> str | None:
         """A chunk for new text (None when nothing is to be sent yet)."""
-        if self.splitter is None:
-            if not text and finish is None:
+        text = ev.text if ev is not None else ""
+        if self.logprobs is not None and ev is not None:
+            self.logprobs += ev.logprobs or []
+        if self.chat is None:
+            if not text:
                 return None
-            return self.chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
-        reasoning, content = self.splitter.feed(text) if finish is None else self.splitter.finish()
+            choice = {"index": 0, "text": text, "logprobs": self._take_logprobs()}
+            self.sent += len(text)
+            return self.chunk(choice | {"finish_reason": None})
+        reasoning, content, calls = self.chat.feed(text, final)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
             delta["reasoning"] = reasoning
         if content:
             delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [c.as_openai(self.calls + i) for i, c in enumerate(calls)]
+            self.calls += len(calls)
         if not delta:
             return None
-        return self.chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+        choice = {"index": 0, "delta": delta, "logprobs": self._take_logprobs()}
+        return self.chunk(choice | {"finish_reason": None})
 
     def final_chunk(self, done: Finished) -> str:
-        key, empty = ("delta", {}) if self.splitter is not None else ("text", "")
-        choice = {"index": 0, key: empty, "logprobs": None, "finish_reason": done.finish_reason}
+        key, empty = ("delta", {}) if self.chat is not None else ("text", "")
+        reason = done.finish_reason
+        if self.chat is not None:
+            reason = self.chat.finish_reason(reason)
+        logprobs = self._take_logprobs() if self.logprobs else None
+        choice = {"index": 0, key: empty, "logprobs": logprobs, "finish_reason": reason}
         return self.chunk(choice, dflash=done.stats)
 
     async def events(self) -> AsyncIterator[str]:
-        if self.splitter is not None:
+        if self.chat is not None:
             # The role goes out at once, before prefill, so clients see the stream is alive.
             yield self.chunk(
                 {
@@ -108,13 +173,10 @@ class _Stream:
                 last_sent = time.monotonic()
                 for ev in batch:
                     if isinstance(ev, TextChunk):
-                        if (data := self.text_chunk(ev.text)) is not None:
+                        if (data := self.text_chunk(ev)) is not None:
                             yield data
                     elif isinstance(ev, Finished):
-                        if (
-                            self.splitter is not None
-                            and (data := self.text_chunk("", finish=ev.finish_reason)) is not None
-                        ):
+                        if self.chat is not None and (data := self.text_chunk(None, True)):
                             yield data
                         yield self.final_chunk(ev)
                         if self.p.include_usage:
@@ -146,6 +208,7 @@ async def collect_response(
 ) -> dict[str, Any] | None:
     """Run a job to the end and build the whole response; None if the client went away."""
     parts: list[str] = []
+    entries: list[TokenLogprob] = []
     done: Finished | None = None
     next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
@@ -162,6 +225,7 @@ async def collect_response(
             for ev in batch:
                 if isinstance(ev, TextChunk):
                     parts.append(ev.text)
+                    entries += ev.logprobs or []
                 elif isinstance(ev, Finished):
                     done = ev
                 elif isinstance(ev, Failed):
@@ -172,23 +236,36 @@ async def collect_response(
     text = "".join(parts)
     rid = uuid.uuid4().hex
     common = {"created": int(time.time()), "model": prepared.model, "usage": _usage(done)}
+    asked = prepared.params.logprobs is not None
     if prepared.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+        logprobs = completion_logprobs(entries) if asked else None
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": done.finish_reason,
+        }
         return (
             {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice]}
             | common
             | {"dflash": done.stats}
         )
-    start, end = think_markers(tokenizer)
-    splitter = ReasoningSplitter(prepared.prompt.opens_reasoning, start, end)
-    r1, c1 = splitter.feed(text)
-    r2, c2 = splitter.finish()
-    reasoning, content = r1 + r2, c1 + c2
+    chat = ChatText(prepared, tokenizer)
+    reasoning, content, calls = chat.feed(text, final=True)
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        # OpenAI sends null content beside tool calls unless the model also said something.
+        message["content"] = content.strip() or None
+        message["tool_calls"] = [c.as_openai() for c in calls]
     if reasoning:
         message["reasoning_content"] = reasoning
         message["reasoning"] = reasoning
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": chat_logprobs(entries) if asked else None,
+        "finish_reason": chat.finish_reason(done.finish_reason),
+    }
     return (
         {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": [choice]}
         | common

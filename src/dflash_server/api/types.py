@@ -82,6 +82,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -112,29 +113,17 @@ def unsupported_features(req: SamplingFields) -> tuple[str, str] | None:
     """(param, message) for the first requested feature this server does not implement."""
     if req.n not in (None, 1):
         return "n", "only n=1 is supported (one completion per request)"
-    if req.logprobs not in (None, False, 0):
-        return "logprobs", "logprobs are not supported"
     if req.logit_bias:
         return "logit_bias", "logit_bias is not supported"
     extras = req.model_extra or {}
     for name in _FOREIGN_FEATURES:
         if extras.get(name) not in (None, False):
-            return name, f"{name} is not supported by this server"
-    if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs:
-            return "top_logprobs", "logprobs are not supported"
-        if req.tools:
-            return "tools", "tool calling is not supported yet; send the request without tools"
-        if req.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling is not supported yet"
-        if req.functions or req.function_call not in (None, "none", "auto"):
-            return "functions", "function calling is not supported"
-        kind = (req.response_format or {}).get("type", "text")
-        if kind != "text":
-            return (
-                "response_format",
-                f"response_format {kind!r} (structured output) is not supported",
-            )
+            return name, f"{name} is not supported by this server; use response_format"
+    legacy = isinstance(req, ChatCompletionRequest) and (
+        req.functions or req.function_call not in (None, "none", "auto")
+    )
+    if legacy:
+        return "functions", "legacy function calling is not supported; use tools"
     if isinstance(req, CompletionRequest):
         if req.echo:
             return "echo", "echo is not supported"
@@ -177,6 +166,7 @@ class DFlashStats(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
     reasoning: str | None = Field(None, description="same text as reasoning_content")
 
@@ -184,7 +174,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 
@@ -201,7 +191,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 

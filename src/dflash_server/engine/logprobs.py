@@ -12,9 +12,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from dflash_server.engine.structured import hf_tokenizer
-
 MAX_TOP_LOGPROBS = 20
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer behind mlx-lm's wrapper (which itself has a Rust one)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
 @lru_cache(maxsize=1)

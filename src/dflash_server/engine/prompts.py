@@ -38,10 +38,17 @@ def render_chat(
     *,
     enable_thinking: bool,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Prompt:
-    """Apply the chat template with the generation prompt; detect an open think block."""
+    """Apply the chat template with the generation prompt; detect an open think block.
+
+    ``tools`` (OpenAI function tools) are rendered by the template itself, as the model was
+    trained to see them.
+    """
     kwargs = dict(template_kwargs or {})
     kwargs["enable_thinking"] = enable_thinking
+    if tools:
+        kwargs["tools"] = tools
     if getattr(tokenizer, "chat_template", None) is None:
         raise PromptError("this model has no chat template; use /v1/completions instead")
     try:

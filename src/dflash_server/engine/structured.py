@@ -20,6 +20,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from dflash_server.engine.logprobs import hf_tokenizer
+
 try:  # optional at import time so the rest of the server works without it
     import llguidance
 except ImportError:  # pragma: no cover - llguidance is a declared dependency
@@ -46,13 +48,6 @@ def _require() -> Any:
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
-
-
-def hf_tokenizer(tokenizer: Any) -> Any:
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    # mlx-lm's wrapper holds the HF tokenizer (which itself has a Rust `_tokenizer`).
-    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
 def ll_tokenizer(tokenizer: Any) -> Any:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
+from dflash_server.engine.logprobs import TokenLogprob, TokenTexts, token_logprobs
 
 log = logging.getLogger("dflash_server")
 
@@ -49,6 +50,9 @@ class GenerationParams:
     seed: int | None = None
     block_size: int | None = None
     speculative: bool = True
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+    grammar: str | None = None  # llguidance (lark) grammar for structured output / tool_choice
+    think_end: int | None = None  # the grammar starts after this token (reasoning left open)
 
     def generate_kwargs(self) -> dict[str, Any]:
         return {
@@ -63,6 +67,7 @@ class GenerationParams:
             "stop": list(self.stop) or None,
             "seed": self.seed,
             "block_size": self.block_size if self.speculative else None,
+            "logprobs": self.logprobs,
         }
 
 
@@ -72,6 +77,7 @@ class TextChunk:
 
     text: str
     tokens: int
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
 
 
 @dataclass
@@ -163,7 +169,9 @@ class Job:
         merged: list[Event] = []
         for ev in events:
             if isinstance(ev, TextChunk) and merged and isinstance(merged[-1], TextChunk):
-                merged[-1] = TextChunk(merged[-1].text + ev.text, merged[-1].tokens + ev.tokens)
+                last = merged[-1]
+                lps = None if ev.logprobs is None else (last.logprobs or []) + ev.logprobs
+                merged[-1] = TextChunk(last.text + ev.text, last.tokens + ev.tokens, lps)
             else:
                 merged.append(ev)
             if isinstance(ev, Finished | Failed):
@@ -207,6 +215,7 @@ class Engine:
         self._stopping = False
         self._ready = threading.Event()
         self._mean_job_s = 5.0  # running estimate for Retry-After
+        self._token_texts: TokenTexts | None = None  # token names for logprobs, cached
         self._thread = threading.Thread(target=self._main, name="dflash-engine", daemon=True)
 
     # ----- event-loop side -------------------------------------------------------------------
@@ -302,6 +311,22 @@ class Engine:
         job.started = time.monotonic()
         draft = m.draft if job.params.speculative else None
         mx.reset_peak_memory()
+        extra: dict[str, Any] = {}
+        if job.params.grammar is not None:
+            from dflash_server.engine.structured import make_constraint
+
+            try:  # compiled per request (ms); checked at admission, so failure is unexpected
+                extra["constraint"] = make_constraint(
+                    m.tokenizer, job.params.grammar, job.params.think_end
+                )
+            except Exception as exc:
+                log.exception("grammar setup failed")
+                job.emit(Failed(f"structured output setup failed: {exc}"))
+                return
+        texts = None
+        if job.params.logprobs is not None:
+            texts = self._token_texts or TokenTexts(m.tokenizer)
+            self._token_texts = texts
         gen = self._generate(
             m.model,
             draft,
@@ -309,6 +334,7 @@ class Engine:
             job.prompt,
             prefill_step_size=self.prefill_step_size,
             **job.params.generate_kwargs(),
+            **extra,
         )
         last = None
         produced = 0
@@ -321,7 +347,12 @@ class Engine:
                 last = response
                 produced += len(response.tokens)
                 if response.text or response.tokens:
-                    job.emit(TextChunk(response.text, len(response.tokens)))
+                    lps = None
+                    if texts is not None:
+                        lps = token_logprobs(
+                            texts, response.tokens, response.logprobs, response.top_logprobs
+                        )
+                    job.emit(TextChunk(response.text, len(response.tokens), lps))
                 if response.finish_reason is not None:
                     break
             done = self._finished(job, last, produced)
