@@ -141,40 +141,6 @@ def test_invalid_completion_requests(
     _error(httpx.post(f"{server.base_url}/v1/completions", json=body), 400, param)
 
 
-def test_all_message_kinds_render(server: RunningServer) -> None:
-    """system/developer/user/assistant/tool messages, text parts, history with reasoning."""
-    messages = [
-        {"role": "developer", "content": "Be brief."},
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Weather "},
-                {"type": "text", "text": "in Paris?"},
-            ],
-        },
-        {
-            "role": "assistant",
-            "content": None,
-            "reasoning_content": "I should call the tool.",
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "weather", "arguments": {"city": "Paris"}},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-        {"role": "assistant", "content": "It is sunny."},
-        {"role": "user", "content": "Thanks!"},
-    ]
-    r = httpx.post(
-        f"{server.base_url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}
-    )
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens"] > 40
-
-
 def test_bad_json_unknown_model_and_routes(server: RunningServer) -> None:
     r = httpx.post(
         f"{server.base_url}/v1/chat/completions",
@@ -201,7 +167,8 @@ def test_prompt_longer_than_context(server: RunningServer) -> None:
 
 
 def test_default_max_tokens_runs_to_context_limit(server: RunningServer) -> None:
-    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "The", "temperature": 0})
+    body = {"prompt": "The", "temperature": 0}
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
     usage = r.json()["usage"]
     assert r.json()["choices"][0]["finish_reason"] == "stop" or usage["total_tokens"] == 96
 

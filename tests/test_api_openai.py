@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import mlx_lm
 import openai
 import pytest
@@ -205,3 +206,37 @@ def test_sdk_errors(client: openai.OpenAI) -> None:
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
     assert bad.value.body["param"] == "tools"
+
+
+def test_all_message_kinds_render(server: RunningServer) -> None:
+    """system/developer/user/assistant/tool messages, text parts, history with reasoning."""
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Weather "},
+                {"type": "text", "text": "in Paris?"},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 40
