@@ -185,17 +185,35 @@ def test_bad_response_formats() -> None:
         response_format_grammar({"type": "json_schema"})
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["C", "F"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "hourly": {"type": "boolean"},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+
+
 def test_forced_tool_call_grammar(tiny_hybrid) -> None:
+    """tool_choice: the grammar makes even a random model write a complete, typed call."""
+    from dflash_server.engine.tool_calls import split_tool_calls
+
     model, tokenizer = tiny_hybrid
-    grammar = tool_call_grammar(tokenizer, ["get_weather"])
+    grammar = tool_call_grammar(tokenizer, [WEATHER], ["get_weather"], parallel=False)
     check_grammar(tokenizer, grammar)
-    ids = tokenizer.encode(PROMPT)
-    out = list(
-        stream_generate(
-            model, None, tokenizer, ids, max_tokens=30,
-            constraint=GrammarConstraint(tokenizer, grammar),
-        )
-    )  # fmt: skip
-    text = "".join(r.text for r in out).lstrip()
-    assert text.startswith("<tool_call>\n<function=get_weather>\n"[: len(text)])
-    assert len(text) >= len("<tool_call>\n<function=get_weather>\n")
+    plain, text = _run(model, tokenizer, None, grammar)
+    content, calls = split_tool_calls(text, [WEATHER])
+    assert content.strip() == "" and len(calls) == 1 and calls[0].name == "get_weather"
+    args = json.loads(calls[0].arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    replay = ReplayDrafter(tokenizer.encode(PROMPT) + plain, [1, 15, 4], random_drafter(model))
+    assert _run(model, tokenizer, replay, grammar)[0] == plain

@@ -186,7 +186,11 @@ def _logprobs(req: SamplingFields) -> int | None:
 
 
 def _grammar(
-    tokenizer: Any, response_format: dict[str, Any] | None, tool_names: list[str] | None
+    tokenizer: Any,
+    response_format: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+    tool_names: list[str] | None,
+    parallel: bool,
 ) -> str | None:
     """The grammar for response_format or a forced tool call (400 if it cannot be enforced)."""
     try:
@@ -201,7 +205,7 @@ def _grammar(
                 param="response_format",
             )
         try:
-            grammar = tool_call_grammar(tokenizer, tool_names)
+            grammar = tool_call_grammar(tokenizer, tools or [], tool_names, parallel)
             check_grammar(tokenizer, grammar)
         except StructuredOutputError as exc:
             raise APIError(400, str(exc), param="tool_choice", code="invalid_value") from exc
@@ -301,7 +305,10 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
         )
     except PromptError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_messages") from exc
-    grammar = await run_in_threadpool(_grammar, tokenizer, req.response_format, forced)
+    parallel = req.parallel_tool_calls is not False
+    grammar = await run_in_threadpool(
+        _grammar, tokenizer, req.response_format, tools, forced, parallel
+    )
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = _params(req, settings, engine, len(prompt.tokens), max_tokens)
     # With reasoning open, the grammar starts after the think-end token (see structured.py).
@@ -317,7 +324,7 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         tools=tools,
-        parallel_tool_calls=req.parallel_tool_calls is not False,
+        parallel_tool_calls=parallel,
     )
 
 

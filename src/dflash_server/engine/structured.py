@@ -111,19 +111,53 @@ def _marker(ll: Any, tokenizer: Any, text: str) -> str:
     return json.dumps(text)
 
 
-def tool_call_grammar(tokenizer: Any, names: Sequence[str]) -> str:
-    """Lark forcing the answer to open with a Qwen3.5 tool call to one of ``names``.
+def _value(schema: Any) -> str:
+    """Lark for one parameter value as the XML format writes it (strings raw, others JSON)."""
+    if not isinstance(schema, dict):
+        schema = {}
+    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
+    if schema.get("type") == "string":
+        # One line without '<': the lexer cannot tell text from the closing tag otherwise.
+        limit = schema.get("maxLength")
+        return "/[^<\\n]" + ("*" if limit is None else f"{{0,{int(limit)}}}") + "/"
+    if not schema.get("type") and not any(k in schema for k in ("anyOf", "oneOf", "enum")):
+        schema = {"type": ["number", "boolean", "object", "array", "null"]}
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
 
-    The rest (parameters, further calls) stays free: the tool-call parser types the values.
+
+_PARAM_END = "\n</parameter>\n"
+
+
+def _call_rule(name: str, parameters: Any) -> str:
+    """Lark for one complete call: known parameters in schema order, the required ones always."""
+    params = parameters if isinstance(parameters, dict) else {}
+    required = set(params.get("required") or [])
+    items = []
+    for key, sub in (params.get("properties") or {}).items():
+        opening = json.dumps(f"<parameter={key}>\n")
+        item = f"({opening} {_value(sub)} {json.dumps(_PARAM_END)})"
+        items.append(item if key in required else item + "?")
+    head, tail = json.dumps(f"\n<function={name}>\n"), json.dumps("</function>\n")
+    return " ".join([head, *items, tail])
+
+
+def tool_call_grammar(
+    tokenizer: Any, tools: Sequence[dict[str, Any]], names: Sequence[str], parallel: bool = True
+) -> str:
+    """Lark forcing the answer to be Qwen3.5 tool calls to ``names`` (tool_choice).
+
+    Each call is complete and its values have their schema's type; strings are kept to one
+    line without '<' (a limit of forcing, not of the parser).
     """
+    from dflash_server.engine.tool_calls import tool_schemas
+
     ll = ll_tokenizer(tokenizer)
     open_, close = _marker(ll, tokenizer, "<tool_call>"), _marker(ll, tokenizer, "</tool_call>")
-    choice = " | ".join(json.dumps(n) for n in names)
-    return (
-        f'start: {_LEADING_WS} {open_} "\\n<function=" ({choice}) ">\\n" rest\n'
-        f"rest: (BODY | {open_} | {close})*\n"
-        "BODY: /(?s:.+)/\n"
-    )
+    schemas = tool_schemas(tools)
+    calls = " | ".join(f"({_call_rule(n, schemas.get(n))})" for n in names)
+    more = f' ("\\n" {open_} call {close})*' if parallel else ""
+    return f"start: {_LEADING_WS} {open_} call {close}{more}\ncall: {calls}\n"
 
 
 def check_grammar(tokenizer: Any, grammar: str) -> None:
