@@ -105,9 +105,21 @@ INVALID = [
     ({**CHAT, "stop": ""}, "stop"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({**CHAT, "n": 3}, "n"),
-    ({**CHAT, "logprobs": True}, "logprobs"),
-    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    (
+        {
+            **CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}},
+        },
+        "response_format",
+    ),
+    ({**CHAT, "response_format": {"type": "grammar"}}, "response_format"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools.0"),
+    (
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "g"},
+        "tool_choice",
+    ),
     ({**CHAT, "guided_json": {"type": "object"}}, "guided_json"),
     ({**CHAT, "block_size": 99}, "block_size"),
     ({**CHAT, "block_size": 1}, "block_size"),

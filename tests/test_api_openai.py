@@ -204,8 +204,9 @@ def test_sdk_errors(client: openai.OpenAI) -> None:
             model="tiny",
             messages=MESSAGES,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
-    assert bad.value.body["param"] == "tools"
+    assert bad.value.body["param"] == "tool_choice"
 
 
 def test_all_message_kinds_render(server: RunningServer) -> None:
