@@ -31,7 +31,6 @@ except ImportError:  # pragma: no cover - llguidance is a declared dependency
 # forever (a known failure of unbounded JSON whitespace with small or quantized models).
 JSON_WHITESPACE = r"(?: {0,2}|\r?\n[ \t]{0,32})"
 _LEADING_WS = r"/[ \t\r\n]{0,8}/"
-_BITS = mx.arange(32, dtype=mx.uint32)
 
 
 class StructuredOutputError(ValueError):
@@ -219,7 +218,8 @@ class GrammarConstraint:
             self.matcher.unsafe_compute_mask_ptr(buf[start:].ctypes.data, self.words * 4)
         self.rows += n - start
         words = mx.array(buf.view(np.uint32))
-        bits = (words[:, :, None] >> _BITS) & 1
+        # Arrays are made here, not at import: MLX streams belong to the thread that runs this.
+        bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
         return bits.reshape(n, -1)[:, : self.width].astype(mx.bool_)
 
     def commit(self, tokens: Sequence[int]) -> None:
