@@ -91,7 +91,7 @@ class _Stream:
         self.created = int(time.time())
         self.chat = ChatText(prepared, tokenizer) if chat else None
         self.calls = 0  # tool calls sent so far (their delta index)
-        self.sent = 0  # completion characters sent so far (logprobs text_offset)
+        self.sent = 0  # length of the token strings sent so far (logprobs text_offset)
         self.logprobs: list[TokenLogprob] | None = (
             [] if prepared.params.logprobs is not None else None
         )
@@ -114,6 +114,7 @@ class _Stream:
         if self.chat is not None:
             return chat_logprobs(entries)
         out = completion_logprobs(entries, self.sent)
+        self.sent += sum(len(e.token) for e in entries)
         return out
 
     def text_chunk(self, ev: TextChunk | None, final: bool = False) -> str | None:
@@ -125,7 +126,6 @@ class _Stream:
             if not text:
                 return None
             choice = {"index": 0, "text": text, "logprobs": self._take_logprobs()}
-            self.sent += len(text)
             return self.chunk(choice | {"finish_reason": None})
         reasoning, content, calls = self.chat.feed(text, final)
         delta: dict[str, Any] = {}

@@ -7,6 +7,7 @@ each entry also carries the token's exact bytes, as OpenAI does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -88,13 +89,9 @@ def token_logprobs(
     out = []
     for i, (token, value) in enumerate(zip(tokens, logprobs)):
         alts = top[i] if top is not None and i < len(top) else []
-        out.append(
-            TokenLogprob(
-                *texts(token),
-                float(value),
-                [(*texts(t), float(v)) for t, v in alts],
-            )
-        )
+        # Tokens a grammar forbids (-inf) are no alternatives; OpenAI never lists them either.
+        named = [(*texts(t), float(v)) for t, v in alts if v > -math.inf]
+        out.append(TokenLogprob(*texts(token), float(value), named))
     return out
 
 
