@@ -35,7 +35,10 @@ def server(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    # A timeout well under the SDK's 10 minutes: a runaway generation fails the test quickly.
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
