@@ -279,6 +279,14 @@ def _params(
     )
 
 
+def _think_end_id(tokenizer: Any) -> int | None:
+    """The one-token think end (mlx-lm raises for multi-token markers: no grammar gating then)."""
+    try:
+        return getattr(tokenizer, "think_end_id", None)
+    except ValueError:
+        return None
+
+
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -312,7 +320,7 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = _params(req, settings, engine, len(prompt.tokens), max_tokens)
     # With reasoning open, the grammar starts after the think-end token (see structured.py).
-    think_end = getattr(tokenizer, "think_end_id", None) if prompt.opens_reasoning else None
+    think_end = _think_end_id(tokenizer) if prompt.opens_reasoning else None
     params = dataclasses.replace(
         params, logprobs=logprobs, grammar=grammar, think_end=think_end if grammar else None
     )
