@@ -114,37 +114,15 @@ def prompts_from(texts: list[str], tokenizer, n: int, length: int) -> list[list[
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-distill"))
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--holdout-every", type=int, default=10)
-    ap.add_argument("--train-mb", type=float, default=2.0, help="training text, MB")
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--target-steps", type=int, default=1000)
-    ap.add_argument("--target-batch", type=int, default=8)
-    ap.add_argument("--target-seq", type=int, default=128)
-    ap.add_argument("--target-lr", type=float, default=6e-3)
-    ap.add_argument("--draft-layers", type=int, default=1)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--draft-steps", type=int, default=500)
-    ap.add_argument("--draft-batch", type=int, default=4)
-    ap.add_argument("--draft-lr", type=float, default=3e-3)
-    ap.add_argument("--anchors", type=int, default=32, help="blocks per training sequence")
-    ap.add_argument("--regen", type=int, default=64, help="target-generated training samples")
-    ap.add_argument("--regen-tokens", type=int, default=192)
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen-tokens", type=int, default=128)
-    args = ap.parse_args()
-    mx.random.seed(0)
-    result: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
-
-    train_files, held_files = stdlib_files(args.holdout_every)
+def prepare_target(
+    args: argparse.Namespace,
+    train_files: list[Path],
+    target_dir: Path,
+    data_dir: Path,
+    result: dict,
+) -> None:
+    """Tokenizer + target trained on the training files; training data for the drafter."""
     texts = read(train_files, int(args.train_mb * 1e6))
-    target_dir, data_dir = args.work / "target", args.work / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     for i, text in enumerate(texts):
         (data_dir / f"{i:05d}.py").write_text(text)
@@ -194,6 +172,45 @@ def main() -> None:
         for p, g in zip(regen, generated):
             f.write(json.dumps({"text": tokenizer.decode(p + g)}) + "\n")
     result["regen"] = {"samples": len(regen), "seconds": round(time.perf_counter() - start, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-distill"))
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--holdout-every", type=int, default=10)
+    ap.add_argument("--train-mb", type=float, default=2.0, help="training text, MB")
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--target-steps", type=int, default=1000)
+    ap.add_argument("--target-batch", type=int, default=8)
+    ap.add_argument("--target-seq", type=int, default=128)
+    ap.add_argument("--target-lr", type=float, default=6e-3)
+    ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--draft-steps", type=int, default=500)
+    ap.add_argument("--draft-batch", type=int, default=4)
+    ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument("--anchors", type=int, default=32, help="blocks per training sequence")
+    ap.add_argument("--regen", type=int, default=64, help="target-generated training samples")
+    ap.add_argument("--regen-tokens", type=int, default=192)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--reuse-target", action="store_true", help="keep WORK's target and data")
+    args = ap.parse_args()
+    mx.random.seed(0)
+    result: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+
+    train_files, held_files = stdlib_files(args.holdout_every)
+    target_dir, data_dir = args.work / "target", args.work / "data"
+    saved = args.work / "target_result.json"
+    if args.reuse_target and saved.exists():  # iterate on the drafter recipe alone
+        result.update(json.loads(saved.read_text()))
+    else:
+        prepare_target(args, train_files, target_dir, data_dir, result)
+        saved.write_text(json.dumps({k: result[k] for k in ("target", "regen")}))
 
     draft_dir = args.work / "draft"
     argv = ["--target", str(target_dir), "--data", str(data_dir), "--out", str(draft_dir)]
