@@ -319,7 +319,9 @@ def test_queue_full_is_429_and_disconnect_frees_the_worker(
     tiny_hybrid_path: Path, draft_path: Path
 ) -> None:
     gen = ScriptedGenerate(["tok "] * 400, delay=0.02)
-    app = make_app(tiny_hybrid_path, draft_path, generate=gen, max_queue=1, enable_thinking=False)
+    app = make_app(
+        tiny_hybrid_path, draft_path, generate=gen, max_queue=1, max_active=1, enable_thinking=False
+    )
     with run_server(app) as srv:
         engine = srv.engine
         body = {**CHAT, "max_tokens": 400, "stream": True}

@@ -53,12 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="min seconds between streamed text events; faster tokens go out together (0.02)",
     )
+    h.add_argument("--max-request-bytes", type=int, help="largest request body (4 MiB); 413 beyond")
     h.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error", "critical"], help="log level"
+        "--shutdown-timeout",
+        type=float,
+        help="seconds in-flight requests may finish on SIGINT/SIGTERM before they are ended (5)",
+    )
+    h.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log level (only 'debug' logs prompt text)",
     )
 
     e = p.add_argument_group("engine")
-    e.add_argument("--max-queue", type=int, help="requests waiting behind the running one (8)")
+    e.add_argument("--max-queue", type=int, help="requests waiting for an active slot (8)")
+    e.add_argument(
+        "--max-active", type=int, help="requests generating at once, one cycle each in turn (4)"
+    )
     e.add_argument("--prefill-step-size", type=int, help="prompt chunk size for prefill (2048)")
 
     g = p.add_argument_group("generation defaults (requests override them)")

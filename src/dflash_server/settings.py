@@ -122,9 +122,18 @@ class Settings(BaseSettings):
     stream_interval: float = Field(
         0.02, ge=0, description="min seconds between streamed text events (0: every token)"
     )
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="largest request body accepted (413 beyond)"
+    )
+    shutdown_timeout: float = Field(
+        5.0, ge=0, description="seconds in-flight requests may finish after SIGINT/SIGTERM"
+    )
 
     # Engine
-    max_queue: int = Field(8, ge=0, description="requests allowed to wait behind the running one")
+    max_queue: int = Field(8, ge=0, description="requests allowed to wait for an active slot")
+    max_active: int = Field(
+        4, ge=1, description="requests generating at once, interleaved one DFlash cycle each"
+    )
     context_length: int | None = Field(
         None, gt=0, description="token limit for prompt + output (default: the model's)"
     )

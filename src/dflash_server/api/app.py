@@ -51,6 +51,7 @@ def build_engine(
     return Engine(
         loader,
         max_queue=settings.max_queue,
+        max_active=settings.max_active,
         prefill_step_size=settings.prefill_step_size,
         generate=generate,
         on_fatal=on_fatal,

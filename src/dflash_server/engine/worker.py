@@ -1,182 +1,51 @@
 """The engine: one worker thread owns every MLX call (loading and generation).
 
-Requests wait in a bounded FIFO and run one at a time, so target and drafter stay resident and
-never race for the accelerator. The asyncio side only submits jobs and reads their events; a job
-can be cancelled from the event loop and stops at the generator's next yield (the next cycle).
+Scheduling: requests wait in a bounded FIFO; up to ``max_active`` of them generate at once, and
+the worker advances each active request by one DFlash cycle per round (round robin). Every
+request keeps its own caches inside its ``stream_generate`` generator, so interleaving changes
+no request's tokens, and a short request finishes while a long one is still running. A new
+request's prefill runs as its first step (chunked by ``prefill_step_size``).
+The asyncio side only submits jobs and reads their events; a job can be cancelled from the
+event loop and stops at its next step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_server.engine.jobs import (
+    EngineNotReady,
+    Event,
+    Failed,
+    Finished,
+    GenerationParams,
+    Job,
+    QueueFull,
+    TextChunk,
+)
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
-from dflash_server.engine.logprobs import TokenLogprob, TokenTexts, token_logprobs
+from dflash_server.engine.logprobs import TokenTexts, token_logprobs
+
+__all__ = [
+    "Engine",
+    "EngineNotReady",
+    "Event",
+    "Failed",
+    "Finished",
+    "GenerateFn",
+    "GenerationParams",
+    "Job",
+    "QueueFull",
+    "TextChunk",
+]
 
 log = logging.getLogger("dflash_server")
-
-
-class QueueFull(Exception):
-    """The wait queue is at capacity; ``retry_after`` is a guess in seconds."""
-
-    def __init__(self, retry_after: int) -> None:
-        super().__init__("queue full")
-        self.retry_after = retry_after
-
-
-class EngineNotReady(Exception):
-    """Models are still loading, or loading failed."""
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """Everything ``stream_generate`` needs besides the models and the prompt."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    block_size: int | None = None
-    speculative: bool = True
-    logprobs: int | None = None  # alternatives per token; None: no logprobs
-    grammar: str | None = None  # llguidance (lark) grammar for structured output / tool_choice
-    think_end: int | None = None  # the grammar starts after this token (reasoning left open)
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "stop": list(self.stop) or None,
-            "seed": self.seed,
-            "block_size": self.block_size if self.speculative else None,
-            "logprobs": self.logprobs,
-        }
-
-
-@dataclass
-class TextChunk:
-    """New output text and how many tokens produced it."""
-
-    text: str
-    tokens: int
-    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
-
-
-@dataclass
-class Finished:
-    """The last event of a successful job."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Failed:
-    """The last event of a job that raised; ``message`` is safe to show the client."""
-
-    message: str
-
-
-Event = TextChunk | Finished | Failed
-
-
-class Job:
-    """One generation request: created on the event loop, run on the worker thread."""
-
-    def __init__(self, prompt: list[int], params: GenerationParams) -> None:
-        self.prompt = prompt
-        self.params = params
-        self.created = time.monotonic()
-        self.started: float | None = None
-        self._loop = asyncio.get_running_loop()
-        # Worker appends, event loop drains. The loop is woken only when it may be asleep, so
-        # while it is busy sending, new tokens pile up and leave as one merged event.
-        self._buffer: collections.deque[Event] = collections.deque()
-        self._ready = asyncio.Event()
-        self._wake_pending = False
-        self._cancelled = threading.Event()
-        self._done = False
-        self._engine: Engine | None = None
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        """Stop the job: drop it from the queue, or stop generating at the next cycle."""
-        if not self._cancelled.is_set():
-            self._cancelled.set()
-            if self._engine is not None:
-                self._engine._discard(self)
-
-    def emit(self, event: Event) -> None:
-        """Hand an event to the event loop (called from the worker thread)."""
-        self._buffer.append(event)  # append first, then look at the flag: no lost wake-up
-        if not self._wake_pending:
-            self._wake_pending = True
-            self._loop.call_soon_threadsafe(self._ready.set)
-
-    async def next_events(
-        self, timeout: float | None = None, hold_until: float = 0.0
-    ) -> list[Event] | None:
-        """Wait for at least one event, then take all that are ready (consecutive text merged).
-
-        Returns None on timeout and [] once the final event was already taken. Merging lets a
-        slow client receive fewer, larger SSE events instead of falling behind. Once text is
-        there, waits until ``hold_until`` (a time.monotonic() value) to gather more with it.
-        """
-        if self._done:
-            return []
-        while not self._buffer:
-            self._ready.clear()
-            self._wake_pending = False  # clear, then re-check the buffer: no lost wake-up
-            if self._buffer:
-                break
-            if timeout is None:
-                await self._ready.wait()
-            else:
-                try:
-                    await asyncio.wait_for(self._ready.wait(), timeout)
-                except asyncio.TimeoutError:
-                    if not self._buffer:
-                        return None
-        linger = hold_until - time.monotonic()
-        if linger > 0 and not isinstance(self._buffer[-1], Finished | Failed):
-            await asyncio.sleep(linger)
-        events = []
-        while self._buffer:
-            events.append(self._buffer.popleft())
-        merged: list[Event] = []
-        for ev in events:
-            if isinstance(ev, TextChunk) and merged and isinstance(merged[-1], TextChunk):
-                last = merged[-1]
-                lps = None if ev.logprobs is None else (last.logprobs or []) + ev.logprobs
-                merged[-1] = TextChunk(last.text + ev.text, last.tokens + ev.tokens, lps)
-            else:
-                merged.append(ev)
-            if isinstance(ev, Finished | Failed):
-                self._done = True
-        return merged
+SHUTDOWN = "server is shutting down"
 
 
 GenerateFn = Callable[..., Iterator[Any]]
@@ -189,14 +58,51 @@ def _default_generate(*args: Any, **kwargs: Any) -> Iterator[Any]:
     return stream_generate(*args, **kwargs)
 
 
+class _Run:
+    """An admitted job on the worker thread: its generator and what its final event needs."""
+
+    def __init__(self, job: Job, gen: Iterator[Any], texts: TokenTexts | None) -> None:
+        self.job, self.gen, self.texts = job, gen, texts
+        self.last: Any = None
+        self.produced = 0
+
+    def step(self) -> Event | None:
+        """Advance one cycle (the first is the prefill); return the final event once it ends."""
+        job = self.job
+        if job.cancelled:
+            log.info("request cancelled after %d tokens", self.produced)
+            return Failed("request cancelled")
+        try:
+            response = next(self.gen)
+        except StopIteration:
+            return _DONE
+        except Exception as exc:
+            log.exception("generation failed")
+            return Failed(f"generation failed: {exc}")
+        self.last = response
+        self.produced += len(response.tokens)
+        if response.text or response.tokens:
+            lps = None
+            if self.texts is not None:
+                lps = token_logprobs(
+                    self.texts, response.tokens, response.logprobs, response.top_logprobs
+                )
+            job.emit(TextChunk(response.text, len(response.tokens), lps))
+        return _DONE if response.finish_reason is not None else None
+
+
+_DONE = Finished("", 0, 0)  # sentinel: the generator ended; the engine builds the real event
+
+
 class Engine:
-    """Owns the worker thread, the resident models and the request queue."""
+    """Owns the worker thread, the resident models, the wait queue and the active requests."""
 
     def __init__(
         self,
         loader: LoaderFn,
         *,
         max_queue: int = 8,
+        max_active: int = 1,
         prefill_step_size: int = 2048,
         generate: GenerateFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
@@ -205,14 +111,16 @@ class Engine:
         self._generate = generate or _default_generate
         self._on_fatal = on_fatal
         self.max_queue = max_queue
+        self.max_active = max(1, max_active)
         self.prefill_step_size = prefill_step_size
         self.state = "loading"
         self.error: str | None = None
         self.models: LoadedModels | None = None
         self._pending: collections.deque[Job] = collections.deque()
+        self._active: list[_Run] = []
         self._cond = threading.Condition()
-        self._running: Job | None = None
         self._stopping = False
+        self._draining = False
         self._ready = threading.Event()
         self._mean_job_s = 5.0  # running estimate for Retry-After
         self._token_texts: TokenTexts | None = None  # token names for logprobs, cached
@@ -224,19 +132,25 @@ class Engine:
         if self._thread.ident is None:
             self._thread.start()
 
+    def drain(self) -> None:
+        """Refuse new requests (503) while the ones already admitted go on (graceful shutdown)."""
+        with self._cond:
+            self._draining = True
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel everything and join the worker (it finishes its current cycle first)."""
+        """End every job with a final 'shutting down' event and join the worker.
+
+        Waiting jobs end at once; active ones at the worker's next step (it finishes its
+        current cycle first), so every open stream still gets its last event.
+        """
         with self._cond:
             self._stopping = True
             pending, self._pending = list(self._pending), collections.deque()
-            running = self._running
             self._cond.notify_all()
         for job in pending:
             job._cancelled.set()
-            job.emit(Failed("server is shutting down"))
-        if running is not None:
-            running._cancelled.set()
-        if self._thread.is_alive():
+            job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -246,20 +160,26 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting plus the one running."""
+        """Requests waiting plus the ones generating."""
         with self._cond:
-            return len(self._pending) + (self._running is not None)
+            return len(self._pending) + len(self._active)
+
+    @property
+    def active(self) -> int:
+        with self._cond:
+            return len(self._active)
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise EngineNotReady / QueueFull without queueing it."""
         if self.state != "ready":
             raise EngineNotReady(self.error or "models are still loading")
         with self._cond:
-            if self._stopping:
-                raise EngineNotReady("server is shutting down")
-            waits = len(self._pending) + (self._running is not None)
-            if waits > self.max_queue:  # one running plus max_queue waiting
-                raise QueueFull(max(1, min(300, round(waits * self._mean_job_s))))
+            if self._stopping or self._draining:
+                raise EngineNotReady(SHUTDOWN)
+            waits = len(self._pending) + len(self._active)
+            if waits >= self.max_active + self.max_queue:
+                rounds = waits / self.max_active
+                raise QueueFull(max(1, min(300, round(rounds * self._mean_job_s))))
             job._engine = self
             self._pending.append(job)
             self._cond.notify()
@@ -282,20 +202,37 @@ class Engine:
             return
         self.state = "ready"
         self._ready.set()
-        while True:
-            with self._cond:
-                while not self._pending and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                job = self._pending.popleft()
-                self._running = job
-            try:
-                if not job.cancelled:
-                    self._run(job)
-            finally:
+        try:
+            while self._round():
+                pass
+        finally:
+            for run in list(self._active):  # shutdown: every open stream gets a final event
+                run.job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
+                self._close(run)
+
+    def _round(self) -> bool:
+        """Admit waiting jobs up to ``max_active``, then step each active one once."""
+        with self._cond:
+            while not self._pending and not self._active and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return False
+            admitted = []
+            while self._pending and len(self._active) + len(admitted) < self.max_active:
+                admitted.append(self._pending.popleft())
+        for job in admitted:
+            run = self._start(job)
+            if run is not None:
                 with self._cond:
-                    self._running = None
+                    self._active.append(run)
+        for run in list(self._active):
+            if self._stopping:
+                return False
+            final = run.step()
+            if final is not None:
+                run.job.emit(self._finished(run) if final is _DONE else final)
+                self._close(run)
+        return True
 
     def _fail(self, message: str) -> None:
         self.state, self.error = "error", message
@@ -303,14 +240,19 @@ class Engine:
         if self._on_fatal is not None:
             self._on_fatal(message)
 
-    def _run(self, job: Job) -> None:
-        import mlx.core as mx
-
+    def _start(self, job: Job) -> _Run | None:
+        """Create the job's generator (no MLX work yet: its first step is the prefill)."""
+        if job.cancelled:
+            return None
         assert self.models is not None
         m = self.models
         job.started = time.monotonic()
-        draft = m.draft if job.params.speculative else None
-        mx.reset_peak_memory()
+        if log.isEnabledFor(logging.DEBUG):  # prompt text only ever at debug level
+            log.debug("request prompt: %r", m.tokenizer.decode(job.prompt)[-2000:])
+        if not self._active:
+            import mlx.core as mx
+
+            mx.reset_peak_memory()  # the peak of the busy period that starts here
         extra: dict[str, Any] = {}
         if job.params.grammar is not None:
             from dflash_server.engine.structured import make_constraint
@@ -322,60 +264,42 @@ class Engine:
             except Exception as exc:
                 log.exception("grammar setup failed")
                 job.emit(Failed(f"structured output setup failed: {exc}"))
-                return
+                return None
         texts = None
         if job.params.logprobs is not None:
             texts = self._token_texts or TokenTexts(m.tokenizer)
             self._token_texts = texts
-        gen = self._generate(
-            m.model,
-            draft,
-            m.tokenizer,
-            job.prompt,
-            prefill_step_size=self.prefill_step_size,
-            **job.params.generate_kwargs(),
-            **extra,
-        )
-        last = None
-        produced = 0
         try:
-            for response in gen:
-                if job.cancelled:
-                    log.info("request cancelled after %d tokens", produced)
-                    job.emit(Failed("request cancelled"))
-                    return
-                last = response
-                produced += len(response.tokens)
-                if response.text or response.tokens:
-                    lps = None
-                    if texts is not None:
-                        lps = token_logprobs(
-                            texts, response.tokens, response.logprobs, response.top_logprobs
-                        )
-                    job.emit(TextChunk(response.text, len(response.tokens), lps))
-                if response.finish_reason is not None:
-                    break
-            done = self._finished(job, last, produced)
-            job.emit(done)
-            st = done.stats
-            log.info(
-                "request: %d prompt + %d output tokens (%s), %.1f tok/s, tau %s",
-                done.prompt_tokens,
-                done.completion_tokens,
-                done.finish_reason,
-                st.get("generation_tps", 0.0),
-                st.get("tau", "-") if st.get("speculative") else "- (plain decoding)",
+            gen = self._generate(
+                m.model,
+                m.draft if job.params.speculative else None,
+                m.tokenizer,
+                job.prompt,
+                prefill_step_size=self.prefill_step_size,
+                **job.params.generate_kwargs(),
+                **extra,
             )
         except Exception as exc:
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {exc}"))
-        finally:
-            gen.close()  # frees the generator's caches now, not at garbage collection
-            elapsed = time.monotonic() - job.started
-            self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed
+            return None
+        return _Run(job, gen, texts)
 
-    def _finished(self, job: Job, last: Any, produced: int) -> Finished:
+    def _close(self, run: _Run) -> None:
+        """Drop a finished run; closing its generator frees its caches now, not at GC."""
+        with self._cond:
+            if run in self._active:
+                self._active.remove(run)
+        try:
+            run.gen.close()
+        except Exception:
+            log.exception("closing a generation failed")
+        elapsed = time.monotonic() - (run.job.started or run.job.created)
+        self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed
+
+    def _finished(self, run: _Run) -> Finished:
         assert self.models is not None
+        job, last = run.job, run.last
         speculative = job.params.speculative and self.models.draft is not None
         stats: dict[str, Any] = {"speculative": speculative}
         if last is None:  # the generator yielded nothing at all
@@ -394,4 +318,13 @@ class Engine:
             peak_memory_gb=round(float(last.peak_memory), 3),
             queue_wait_s=round((job.started or job.created) - job.created, 3),
         )
-        return Finished(last.finish_reason or "length", len(job.prompt), produced, stats)
+        done = Finished(last.finish_reason or "length", len(job.prompt), run.produced, stats)
+        log.info(
+            "request: %d prompt + %d output tokens (%s), %.1f tok/s, tau %s",
+            done.prompt_tokens,
+            done.completion_tokens,
+            done.finish_reason,
+            stats.get("generation_tps", 0.0),
+            stats.get("tau", "-") if speculative else "- (plain decoding)",
+        )
+        return done

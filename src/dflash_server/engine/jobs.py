@@ -1,0 +1,177 @@
+"""What the engine hands between the event loop and its worker: jobs, their params and events."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dflash_server.engine.logprobs import TokenLogprob
+
+if TYPE_CHECKING:
+    from dflash_server.engine.worker import Engine
+
+
+class QueueFull(Exception):
+    """The wait queue is at capacity; ``retry_after`` is a guess in seconds."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__("queue full")
+        self.retry_after = retry_after
+
+
+class EngineNotReady(Exception):
+    """Models are still loading, or loading failed."""
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Everything ``stream_generate`` needs besides the models and the prompt."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    block_size: int | None = None
+    speculative: bool = True
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+    grammar: str | None = None  # llguidance (lark) grammar for structured output / tool_choice
+    think_end: int | None = None  # the grammar starts after this token (reasoning left open)
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "stop": list(self.stop) or None,
+            "seed": self.seed,
+            "block_size": self.block_size if self.speculative else None,
+            "logprobs": self.logprobs,
+        }
+
+
+@dataclass
+class TextChunk:
+    """New output text and how many tokens produced it."""
+
+    text: str
+    tokens: int
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
+
+
+@dataclass
+class Finished:
+    """The last event of a successful job."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Failed:
+    """The last event of a job that raised or was stopped; ``message`` is safe to show the client.
+
+    ``status``/``code`` are what a non-streamed response answers with (503 on shutdown).
+    """
+
+    message: str
+    status: int = 500
+    code: str = "generation_failed"
+
+
+Event = TextChunk | Finished | Failed
+
+
+class Job:
+    """One generation request: created on the event loop, run on the worker thread."""
+
+    def __init__(self, prompt: list[int], params: GenerationParams) -> None:
+        self.prompt = prompt
+        self.params = params
+        self.created = time.monotonic()
+        self.started: float | None = None
+        self._loop = asyncio.get_running_loop()
+        # Worker appends, event loop drains. The loop is woken only when it may be asleep, so
+        # while it is busy sending, new tokens pile up and leave as one merged event.
+        self._buffer: collections.deque[Event] = collections.deque()
+        self._ready = asyncio.Event()
+        self._wake_pending = False
+        self._cancelled = threading.Event()
+        self._done = False
+        self._engine: Engine | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop the job: drop it from the queue, or stop generating at the next cycle."""
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            if self._engine is not None:
+                self._engine._discard(self)
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the event loop (called from the worker thread)."""
+        self._buffer.append(event)  # append first, then look at the flag: no lost wake-up
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def next_events(
+        self, timeout: float | None = None, hold_until: float = 0.0
+    ) -> list[Event] | None:
+        """Wait for at least one event, then take all that are ready (consecutive text merged).
+
+        Returns None on timeout and [] once the final event was already taken. Merging lets a
+        slow client receive fewer, larger SSE events instead of falling behind. Once text is
+        there, waits until ``hold_until`` (a time.monotonic() value) to gather more with it.
+        """
+        if self._done:
+            return []
+        while not self._buffer:
+            self._ready.clear()
+            self._wake_pending = False  # clear, then re-check the buffer: no lost wake-up
+            if self._buffer:
+                break
+            if timeout is None:
+                await self._ready.wait()
+            else:
+                try:
+                    await asyncio.wait_for(self._ready.wait(), timeout)
+                except asyncio.TimeoutError:
+                    if not self._buffer:
+                        return None
+        linger = hold_until - time.monotonic()
+        if linger > 0 and not isinstance(self._buffer[-1], Finished | Failed):
+            await asyncio.sleep(linger)
+        events = []
+        while self._buffer:
+            events.append(self._buffer.popleft())
+        merged: list[Event] = []
+        for ev in events:
+            if isinstance(ev, TextChunk) and merged and isinstance(merged[-1], TextChunk):
+                last = merged[-1]
+                lps = None if ev.logprobs is None else (last.logprobs or []) + ev.logprobs
+                merged[-1] = TextChunk(last.text + ev.text, last.tokens + ev.tokens, lps)
+            else:
+                merged.append(ev)
+            if isinstance(ev, Finished | Failed):
+                self._done = True
+        return merged

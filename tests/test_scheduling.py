@@ -1,0 +1,154 @@
+"""Fair scheduling: active requests interleave one cycle each; outputs stay those of a lone run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash_server import stream_generate
+from dflash_server.engine.loader import LoadedModels, load_models
+from dflash_server.engine.worker import (
+    Engine,
+    Failed,
+    Finished,
+    GenerationParams,
+    Job,
+    QueueFull,
+    TextChunk,
+)
+from server_fixtures import ScriptedGenerate, build_draft
+
+
+@pytest.fixture(scope="module")
+def models(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModels:
+    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+    return load_models(str(tiny_hybrid_path), str(draft))
+
+
+def _engine(models: LoadedModels, gen: Any, **kw: Any) -> Engine:
+    engine = Engine(lambda: models, generate=gen, **kw)
+    engine.start()
+    assert engine.wait_ready(30)
+    return engine
+
+
+async def _drain(job: Job) -> list[Any]:
+    events: list[Any] = []
+    while batch := await job.next_events(timeout=30):
+        events.extend(batch)
+    assert batch is not None, "timed out"
+    return events
+
+
+def test_short_request_finishes_while_long_one_runs(models: LoadedModels) -> None:
+    gen = ScriptedGenerate(["t"] * 1000, delay=0.005)
+    engine = _engine(models, gen, max_active=2, max_queue=0)
+
+    async def main() -> tuple[list[Any], Job]:
+        long = Job([1], GenerationParams(max_tokens=1000))
+        engine.submit(long)
+        await long.next_events(timeout=10)  # generating now
+        short = Job([2], GenerationParams(max_tokens=3))
+        engine.submit(short)
+        with pytest.raises(QueueFull):  # two active, no waiting room
+            engine.submit(Job([3], GenerationParams(max_tokens=3)))
+        events = await _drain(short)
+        assert engine.queue_depth == 1  # the long one is still going
+        long.cancel()
+        return events, long
+
+    try:
+        events, long = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert "".join(e.text for e in events if isinstance(e, TextChunk)) == "ttt"
+    assert isinstance(events[-1], Finished) and events[-1].completion_tokens == 3
+    assert gen.closed_early == 1 and engine.queue_depth == 0
+
+
+def test_waiting_requests_are_admitted_in_order(models: LoadedModels) -> None:
+    gen = ScriptedGenerate(["a", "b"], delay=0.005)
+    engine = _engine(models, gen, max_active=2, max_queue=8)
+
+    async def main() -> list[list[Any]]:
+        jobs = [Job([i], GenerationParams(max_tokens=2)) for i in range(6)]
+        for job in jobs:
+            engine.submit(job)
+        return [await _drain(job) for job in jobs]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert [c["prompt"] for c in gen.calls] == [[i] for i in range(6)]  # FIFO admission
+    assert all(isinstance(r[-1], Finished) for r in results)
+
+
+def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> None:
+    """Four greedy requests (speculative, plain, two block sizes) plus a sampled one, interleaved
+    cycle by cycle, each produce exactly the tokens they produce alone."""
+    runs: dict[int, list[int]] = {}
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        key = args[3][0]  # each test prompt starts with a distinct token
+        runs[key] = []
+        for response in stream_generate(*args, **kwargs):
+            runs[key].extend(response.tokens)
+            yield response
+
+    specs = [
+        ([5, 17, 40, 9], GenerationParams(max_tokens=60)),
+        ([6, 99, 3], GenerationParams(max_tokens=25, block_size=4)),
+        ([7, 12], GenerationParams(max_tokens=40, speculative=False)),
+        ([8, 31, 31, 31, 2], GenerationParams(max_tokens=50, repetition_penalty=1.1)),
+        ([9, 1, 2], GenerationParams(max_tokens=50, temperature=1.0, seed=3)),
+    ]
+    engine = _engine(models, recording, max_active=5)
+
+    async def main() -> list[list[Any]]:
+        jobs = [Job(prompt, params) for prompt, params in specs]
+        for job in jobs:
+            engine.submit(job)
+        return [await _drain(job) for job in jobs]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    m = models
+    for (prompt, params), events in zip(specs, results):
+        assert isinstance(events[-1], Finished), events[-1]
+        if params.temperature:
+            continue  # sampled: only checked to finish
+        kw = params.generate_kwargs()
+        draft = m.draft if params.speculative else None
+        lone = list(stream_generate(m.model, draft, m.tokenizer, prompt, **kw))
+        assert runs[prompt[0]] == [t for r in lone for t in r.tokens], prompt
+        text = "".join(e.text for e in events if isinstance(e, TextChunk))
+        assert text == "".join(r.text for r in lone)  # per-request detokenizer state
+
+
+def test_stop_gives_every_active_and_waiting_job_a_final_event(models: LoadedModels) -> None:
+    gen = ScriptedGenerate(["t"] * 1000, delay=0.005)
+    engine = _engine(models, gen, max_active=2, max_queue=4)
+
+    async def main() -> list[list[Any]]:
+        jobs = [Job([i], GenerationParams(max_tokens=1000)) for i in range(4)]
+        for job in jobs:
+            engine.submit(job)
+        await jobs[1].next_events(timeout=10)
+        drains = [asyncio.create_task(_drain(job)) for job in jobs]
+        t0 = time.monotonic()
+        await asyncio.to_thread(engine.stop)
+        assert time.monotonic() - t0 < 5
+        return await asyncio.gather(*drains)
+
+    results = asyncio.run(main())
+    for events in results:
+        assert isinstance(events[-1], Failed) and events[-1].status == 503
+        assert events[-1].code == "server_shutdown"
+    assert gen.finished == 0
