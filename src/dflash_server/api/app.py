@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from dflash_server.api.errors import install_error_handlers
+from dflash_server.api.guard import RequestGuard
 from dflash_server.api.routes import public, router
 from dflash_server.engine.loader import LoadedModels, describe, load_models
 from dflash_server.engine.worker import Engine, GenerateFn
@@ -75,6 +76,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.started = int(time.time())
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, api_key=settings.api_key, max_body=settings.max_request_bytes)
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

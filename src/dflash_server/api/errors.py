@@ -23,6 +23,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -98,7 +99,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
+        code = {404: "not_found", 400: "invalid_json"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(Exception)

@@ -273,7 +273,7 @@ def _params(
         presence_penalty=_pick(req.presence_penalty, settings.presence_penalty),
         frequency_penalty=_pick(req.frequency_penalty, settings.frequency_penalty),
         stop=tuple(req.stop or ()),
-        seed=req.seed,
+        seed=None if req.seed == -1 else req.seed,
         block_size=block_size,
         speculative=speculative and engine.models.draft is not None,
     )

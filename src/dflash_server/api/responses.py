@@ -40,8 +40,9 @@ def _usage(done: Finished) -> dict[str, int]:
     }
 
 
-def _error(message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+def _error(ev: Failed) -> dict[str, Any]:
+    kind = "service_unavailable" if ev.status == 503 else "server_error"
+    return {"error": {"message": ev.message, "type": kind, "param": None, "code": ev.code}}
 
 
 class ChatText:
@@ -182,7 +183,7 @@ class _Stream:
                         if self.p.include_usage:
                             yield self.chunk({}, usage=_usage(ev))
                     elif isinstance(ev, Failed):
-                        yield _dumps(_error(ev.message))
+                        yield _dumps(_error(ev))
             yield DONE
         finally:
             # Runs on normal end and when the client disconnects (the task is cancelled):
@@ -229,7 +230,7 @@ async def collect_response(
                 elif isinstance(ev, Finished):
                     done = ev
                 elif isinstance(ev, Failed):
-                    raise APIError(500, ev.message, code="generation_failed")
+                    raise APIError(ev.status, ev.message, code=ev.code)
     finally:
         job.cancel()
     assert done is not None

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
@@ -25,22 +24,8 @@ def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-async def require_api_key(request: Request) -> None:
-    """401 unless ``Authorization: Bearer <key>`` matches, when an API key is configured."""
-    expected = _settings(request).api_key
-    if not expected:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), expected):
-        raise APIError(
-            401,
-            "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-        )
-
-
-router = APIRouter(dependencies=[Depends(require_api_key)])
+# The API key and the body-size limit are checked before routing, by api/guard.py.
+router = APIRouter()
 public = APIRouter()
 
 

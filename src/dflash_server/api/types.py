@@ -9,34 +9,66 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Bounds that keep absurd values out of the engine (a 400, never an overflow deep inside).
+MAX_INT = 2**31 - 1
+MAX_SEED = 2**64 - 1
+
+
+def _first_unencodable(data: Any) -> str | None:
+    """The path of the first string that is not valid UTF-8 text (JSON allows lone surrogates
+    like "\\ud800"; tokenizers raise on them). Iterative: depth is bounded by the JSON parser."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
+    return None
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        bad = _first_unencodable(data)
+        if bad is not None:
+            raise ValueError(f"{bad}: text is not valid UTF-8 (lone surrogate escape)")
+        return data
 
 
 class SamplingFields(_Request):
     """Sampling and DFlash fields shared by chat and text completions."""
 
     model: str | None = Field(None, description="served model id (see /v1/models)")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-1, le=MAX_SEED, description="-1: random (llama.cpp)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     # DFlash extensions
-    block_size: int | None = Field(None, ge=1, description="draft block size for this request")
+    block_size: int | None = Field(
+        None, ge=1, le=MAX_INT, description="draft block size for this request"
+    )
     speculative: bool | None = Field(None, description="false: plain decoding, no drafter")
 
     @field_validator("stop")
@@ -75,7 +107,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     enable_thinking: bool | None = Field(None, description="shortcut for chat_template_kwargs")
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = Field(None, description="'none' turns thinking off")
