@@ -163,6 +163,9 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, lis
 def _logprobs(req: SamplingFields) -> int | None:
     """How many alternatives per token to report; None: no logprobs."""
     if isinstance(req, ChatCompletionRequest):
+        top = req.logprobs
+        if not isinstance(top, bool | None):
+            raise APIError(400, "logprobs must be true or false", param="logprobs")
         top = req.top_logprobs
         if not req.logprobs:
             if top:
