@@ -237,7 +237,9 @@ class ToolCallParser:
 
     def _malformed(self, body: str, out: list[Piece], why: str) -> None:
         raw = CALL_START + body + (CALL_END if why == "malformed" else "")
-        log.warning("%s tool call from the model, returned as text: %r", why, raw[:200])
+        # Model text can quote the prompt: it reaches the log only at debug level.
+        log.warning("%s tool call from the model, returned as text", why)
+        log.debug("the %s tool call: %r", why, raw[:200])
         if self.calls:
             raw, self._space = self._space + raw, ""
         out.append(raw)
