@@ -153,9 +153,10 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
     import uvicorn
 
     from dflash_server.api.app import build_engine, create_app
+    from dflash_server.api.shutdown import GracefulServer
 
     failure: list[str] = []
-    server: uvicorn.Server | None = None
+    server: GracefulServer | None = None
 
     def on_fatal(message: str) -> None:
         failure.append(message)
@@ -172,9 +173,10 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
         port=settings.port,
         log_config=_uvicorn_log_config(settings.log_level),
         log_level=settings.log_level,
-        timeout_graceful_shutdown=5,
+        # After the engine's grace period every stream has its final event; this is a backstop.
+        timeout_graceful_shutdown=int(settings.shutdown_timeout) + 10,
     )
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, engine, settings.shutdown_timeout)
     log.info("loading %s + %s", settings.target, settings.draft)
     # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
     with contextlib.suppress(KeyboardInterrupt):

@@ -1,0 +1,117 @@
+"""Graceful shutdown of a real ``dflash-serve`` process on SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server_fixtures import build_draft, free_port
+
+# The real CLI, with generation slowed (50 ms per cycle) so requests are still running at the signal.
+LAUNCH = """
+import sys, time
+import dflash_server.engine.worker as worker
+from dflash_server import stream_generate
+
+def slow(*args, **kwargs):
+    for response in stream_generate(*args, **kwargs):
+        time.sleep(0.05)
+        yield response
+
+worker._default_generate = slow
+from dflash_server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+
+
+def _stream(base: str, body: dict[str, Any], out: list[Any], started: threading.Event) -> None:
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                out.append(data if data == "[DONE]" else json.loads(data))
+                if len(out) >= 2:
+                    started.set()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_ends_every_stream_with_a_final_event(
+    sig: signal.Signals, tiny_hybrid_path: Path, draft_path: Path
+) -> None:
+    port = free_port()
+    args = ["--target", str(tiny_hybrid_path), "--draft", str(draft_path), "--port", str(port)]
+    args += ["--shutdown-timeout", "1.5", "--temperature", "0", "--no-enable-thinking"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLX_DISABLE_COMPILE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        msgs = [{"role": "user", "content": "hello"}]
+        long_out: list[Any] = []
+        short_out: list[Any] = []
+        long_started, short_started = threading.Event(), threading.Event()
+        long_body = {"messages": msgs, "max_tokens": 5000, "stream": True}
+        short_body = {"messages": msgs, "max_tokens": 6, "stream": True}
+        threads = [
+            threading.Thread(target=_stream, args=(base, long_body, long_out, long_started)),
+            threading.Thread(target=_stream, args=(base, short_body, short_out, short_started)),
+        ]
+        blocking: list[httpx.Response] = []
+
+        def whole() -> None:
+            body = {"messages": msgs, "max_tokens": 5000}
+            blocking.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60))
+
+        threads.append(threading.Thread(target=whole))
+        for t in threads:
+            t.start()
+        assert long_started.wait(30) and short_started.wait(30)
+        proc.send_signal(sig)
+        output, _ = proc.communicate(timeout=30)
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output, output
+    # The short one finished normally inside the grace period.
+    assert short_out[-1] == "[DONE]"
+    assert short_out[-2]["choices"][0]["finish_reason"] == "length"
+    # The long ones were ended: an error event, then [DONE]; a 503 for the non-streamed one.
+    assert long_out[-1] == "[DONE]"
+    assert long_out[-2]["error"]["code"] == "server_shutdown"
+    assert blocking and blocking[0].status_code == 503
+    assert blocking[0].json()["error"]["code"] == "server_shutdown"
