@@ -145,10 +145,20 @@ def test_model_field_never_loads_or_reads_anything(
 def test_prompt_text_is_logged_only_at_debug(
     server: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Other tests may have run the CLI, which stops this logger propagating: listen on it.
+    logger = logging.getLogger("dflash_server")
+    logger.addHandler(caplog.handler)
+    try:
+        _check_logs(server, caplog)
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def _check_logs(server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
     secret = "zebra-quartz-secret"
     auth = {"authorization": f"Bearer {KEY}"}
     body = {"messages": [{"role": "user", "content": secret}], "max_tokens": 3}
-    with caplog.at_level(logging.INFO):  # every logger, uvicorn's too
+    with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="dflash_server"):
         assert httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=auth)
         r = httpx.post(
             server.base_url + "/v1/completions",
