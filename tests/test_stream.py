@@ -79,3 +79,28 @@ def test_invalid_arguments(tiny_hybrid):
         next(stream_generate(model, draft, tokenizer, "hi", top_p=0))
     with pytest.raises(ValueError, match="empty"):
         next(stream_generate(model, draft, tokenizer, []))
+
+
+def test_interleaved_generations_share_one_wired_limit(setup, monkeypatch):
+    """The server interleaves generators; the wired limit is set once and restored once."""
+    import contextlib
+
+    from dflash_server.generation import stream as stream_module
+
+    events = []
+
+    @contextlib.contextmanager
+    def fake_wired_limit(model, streams):
+        events.append("set")
+        yield
+        events.append("restore")
+
+    monkeypatch.setattr(stream_module, "wired_limit", fake_wired_limit)
+    model, tokenizer, ids, _, _ = setup
+    a = stream_generate(model, None, tokenizer, ids, max_tokens=4)
+    b = stream_generate(model, None, tokenizer, ids, max_tokens=8)
+    next(a), next(b)
+    list(a)  # a finishes while b is still running
+    assert events == ["set"]
+    list(b)
+    assert events == ["set", "restore"]

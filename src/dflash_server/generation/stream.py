@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -139,8 +141,31 @@ def stream_generate(
     )
     stops = _StopMatcher([stop] if isinstance(stop, str) else list(stop or []))
 
-    with wired_limit(model, [generation_stream]):  # Metal: keep weights resident; no-op on CPU
+    with _shared_wired_limit(model):
         yield from _responses(decoder, tokenizer, prompt_ids, max_tokens, stops)
+
+
+_wired = {"users": 0, "context": None}
+_wired_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _shared_wired_limit(model: nn.Module) -> Iterator[None]:
+    """mlx-lm's ``wired_limit`` (Metal: keep weights resident; no-op on CPU), entered by the first
+    of several interleaved generations and left by the last, so they never restore it out of order.
+    """
+    with _wired_lock:
+        if _wired["users"] == 0:
+            _wired["context"] = wired_limit(model, [generation_stream])
+            _wired["context"].__enter__()
+        _wired["users"] += 1
+    try:
+        yield
+    finally:
+        with _wired_lock:
+            _wired["users"] -= 1
+            if _wired["users"] == 0:
+                _wired["context"].__exit__(None, None, None)
 
 
 def _responses(
