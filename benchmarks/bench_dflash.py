@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -54,32 +55,38 @@ def random_drafter(
     return draft.bind(model)
 
 
-def timed(fn, repeats: int = 5) -> float:
-    """Best of ``repeats`` (after a warm-up): robust to other load on a shared machine."""
+def timed(fn, repeats: int = 7) -> float:
+    """Median of ``repeats`` runs after a warm-up (a per-call figure, like a loop's average)."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def plain_tokens(model, prompt: list[int], n: int, repeats: int) -> tuple[list[int], float]:
-    """mlx-lm's own greedy decode (best of ``repeats``): the baseline and the replay reference."""
-    best = 0.0
+    """mlx-lm's own greedy decode (median of ``repeats`` runs): baseline and replay reference."""
+    runs = []
     for _ in range(repeats):
         start, tokens = None, []
         for i, (tok, _) in enumerate(generate_step(mx.array(prompt), model, max_tokens=n)):
             tokens.append(tok)
             if i == 0:
                 start = time.perf_counter()  # exclude prefill
-        best = max(best, (n - 1) / (time.perf_counter() - start))
-    return tokens, best
+        runs.append((n - 1) / (time.perf_counter() - start))
+    return tokens, statistics.median(runs)
 
 
-def component_times(model, draft, prompt: list[int], context: int, block: int) -> dict[str, float]:
-    """t(plain step), t(draft), t(verify block), each alone at a context of ``context`` tokens."""
+def component_times(
+    model, draft, prompt: list[int], context: int, block: int, tau: int
+) -> dict[str, float]:
+    """t(plain step), t(draft), t(verify block), each alone at a context of ``context`` tokens.
+
+    t(draft) includes adding ``tau`` committed positions to the drafter's context, as each cycle
+    does, then trims them so every repeat sees the same context.
+    """
     target = TargetModel.of(model, draft.config.target_layer_ids)
     ids = mx.array((prompt * (context // len(prompt) + 1))[:context])[None]
     cache = target.make_cache()
@@ -89,24 +96,27 @@ def component_times(model, draft, prompt: list[int], context: int, block: int) -
     mx.eval([c.state for c in cache], [c.state for c in dcache])
     rollback = target.make_rollback(cache)
 
-    def forward_alone(n: int, repeats: int = 5) -> float:
-        """Best time of an n-token target forward (logits for all rows), rolled back after each."""
-        best = float("inf")
-        for i in range(repeats + 1):
+    def forward_alone(n: int, repeats: int = 7) -> float:
+        """Median time of an n-token target forward (logits for all rows), rolled back after each."""
+        times = []
+        for _ in range(repeats + 1):
             start = time.perf_counter()
             with rollback.recording():
                 logits, t = target.forward(ids[:, :n], cache, slice(None))
             mx.eval(mx.argmax(logits, axis=-1), t)
-            if i:  # the first run warms up
-                best = min(best, time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
             rollback.rollback(keep=0, fed=n)  # back to the same context for the next repeat
             mx.eval([c.state for c in cache])
-        return best
+        return statistics.median(times[1:])  # the first run warms up
 
     block_ids = mx.array([[1] + [draft.config.mask_token_id] * (block - 1)])
 
+    new_context = taps[:, :tau]
+
     def run_draft():
-        mx.eval(mx.argmax(draft(block_ids, None, dcache, logits_start=1), axis=-1))
+        mx.eval(mx.argmax(draft(block_ids, new_context, dcache, logits_start=1), axis=-1))
+        for c in dcache:
+            c.trim(tau)
 
     return {
         "plain_step": forward_alone(1),
@@ -118,7 +128,7 @@ def component_times(model, draft, prompt: list[int], context: int, block: int) -
 def run_dflash(model, draft, prompt, n, block, repeats) -> tuple[list[int], float, dict]:
     target = TargetModel.of(model, draft.config.target_layer_ids)
     sampler = TokenSampler(SamplingParams(), seed=0)
-    best = 0.0
+    runs = []
     for _ in range(repeats):
         if isinstance(draft, ReplayDrafter):
             draft.cycle = 0
@@ -128,13 +138,13 @@ def run_dflash(model, draft, prompt, n, block, repeats) -> tuple[list[int], floa
             if start is None:
                 start = time.perf_counter()  # exclude prefill, as for plain decoding
             tokens.extend(commit.tokens)
-        best = max(best, (len(tokens) - 1) / (time.perf_counter() - start))
+        runs.append((len(tokens) - 1) / (time.perf_counter() - start))
     profiled = SpeculativeDecoder(target, draft, sampler, block, profile=True)
     if isinstance(draft, ReplayDrafter):
         draft.cycle = 0
     for _ in profiled.generate(prompt, n):
         pass
-    return tokens, best, profiled.stats.as_dict()
+    return tokens, statistics.median(runs), profiled.stats.as_dict()
 
 
 def main() -> None:
@@ -144,7 +154,7 @@ def main() -> None:
     ap.add_argument("--replay-tau", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3, help="best-of-N for every timing")
+    ap.add_argument("--repeats", type=int, default=3, help="medians over N runs")
     ap.add_argument("--json", type=Path, help="write results here")
     args = ap.parse_args()
 
@@ -178,7 +188,8 @@ def main() -> None:
         ]
     for name, draft in runs:
         block = args.block_size
-        comp = component_times(model, draft, prompt, len(prompt) + args.tokens // 2, block)
+        tau = draft.pattern[0] + 1 if isinstance(draft, ReplayDrafter) else 4
+        comp = component_times(model, draft, prompt, len(prompt) + args.tokens // 2, block, tau)
         tokens, tps, stats = run_dflash(model, draft, prompt, args.tokens, block, args.repeats)
         tau = stats["tau"]
         ideal = tau / (comp["draft"] + comp["verify_block"])
