@@ -167,3 +167,22 @@ def make_app(target: Path, draft: Path, *, generate: Any = None, **settings: Any
 
     s = Settings.load(target=str(target), draft=str(draft), **settings)
     return create_app(s, build_engine(s, generate=generate))
+
+
+def start_engine(models: Any, generate: Any, **settings: Any) -> Any:
+    """A started ``Engine`` over already loaded models, with a (scripted) generate function."""
+    from dflash_server.engine.worker import Engine
+
+    engine = Engine(lambda: models, generate=generate, **settings)
+    engine.start()
+    assert engine.wait_ready(30)
+    return engine
+
+
+async def drain(job: Any, timeout: float = 30) -> list[Any]:
+    """All events of a job until its end; fails if the engine goes quiet for ``timeout`` s."""
+    events: list[Any] = []
+    while batch := await job.next_events(timeout=timeout):
+        events.extend(batch)
+    assert batch is not None, "timed out"
+    return events

@@ -22,7 +22,7 @@ from dflash_server.engine.worker import (
     QueueFull,
     TextChunk,
 )
-from server_fixtures import ScriptedGenerate, build_draft
+from server_fixtures import ScriptedGenerate, build_draft, drain, start_engine
 
 # ----- reasoning split ---------------------------------------------------------------------
 
@@ -110,20 +110,7 @@ def test_missing_models_are_one_line_errors(tmp_path: Path) -> None:
 
 
 def _engine(models: LoadedModels, gen: Any, max_queue: int = 4) -> Engine:
-    engine = Engine(lambda: models, max_queue=max_queue, generate=gen)
-    engine.start()
-    assert engine.wait_ready(30)
-    return engine
-
-
-async def _drain(job: Job) -> list[Any]:
-    events: list[Any] = []
-    while True:
-        batch = await job.next_events(timeout=10)
-        assert batch is not None, "timed out"
-        if not batch:
-            return events
-        events.extend(batch)
+    return start_engine(models, gen, max_queue=max_queue)
 
 
 def test_jobs_run_in_order_with_params(models: LoadedModels) -> None:
@@ -134,7 +121,7 @@ def test_jobs_run_in_order_with_params(models: LoadedModels) -> None:
         jobs = [Job([1, 2, i], GenerationParams(max_tokens=5, seed=i)) for i in range(3)]
         for job in jobs:
             engine.submit(job)
-        return [await _drain(job) for job in jobs]
+        return [await drain(job, timeout=10) for job in jobs]
 
     try:
         results = asyncio.run(main())
@@ -158,7 +145,7 @@ def test_plain_decoding_passes_no_drafter(models: LoadedModels) -> None:
     async def main() -> None:
         job = Job([1], GenerationParams(max_tokens=5, speculative=False, block_size=4))
         engine.submit(job)
-        await _drain(job)
+        await drain(job, timeout=10)
 
     try:
         asyncio.run(main())
@@ -185,7 +172,7 @@ def test_cancel_stops_running_job_and_frees_worker(models: LoadedModels) -> None
         first.cancel()
         nxt = Job([4], GenerationParams(max_tokens=3))
         engine.submit(nxt)
-        return await _drain(nxt)
+        return await drain(nxt, timeout=10)
 
     try:
         events = asyncio.run(main())
@@ -212,7 +199,7 @@ def test_generation_error_is_reported_and_worker_survives(models: LoadedModels) 
         a, b = Job([1], GenerationParams(max_tokens=4)), Job([1], GenerationParams(max_tokens=4))
         engine.submit(a)
         engine.submit(b)
-        return await _drain(a), await _drain(b)
+        return await drain(a, timeout=10), await drain(b, timeout=10)
 
     try:
         bad, good = asyncio.run(main())
@@ -258,7 +245,7 @@ def test_event_loop_never_runs_mlx(models: LoadedModels) -> None:
     async def main() -> None:
         job = Job([1], GenerationParams(max_tokens=2))
         engine.submit(job)
-        await _drain(job)
+        await drain(job, timeout=10)
 
     try:
         asyncio.run(main())

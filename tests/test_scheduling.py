@@ -20,7 +20,7 @@ from dflash_server.engine.worker import (
     QueueFull,
     TextChunk,
 )
-from server_fixtures import ScriptedGenerate, build_draft
+from server_fixtures import ScriptedGenerate, build_draft, drain, start_engine
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +30,7 @@ def models(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _engine(models: LoadedModels, gen: Any, **kw: Any) -> Engine:
-    engine = Engine(lambda: models, generate=gen, **kw)
-    engine.start()
-    assert engine.wait_ready(30)
-    return engine
-
-
-async def _drain(job: Job) -> list[Any]:
-    events: list[Any] = []
-    while batch := await job.next_events(timeout=30):
-        events.extend(batch)
-    assert batch is not None, "timed out"
-    return events
+    return start_engine(models, gen, **kw)
 
 
 def test_short_request_finishes_while_long_one_runs(models: LoadedModels) -> None:
@@ -56,7 +45,7 @@ def test_short_request_finishes_while_long_one_runs(models: LoadedModels) -> Non
         engine.submit(short)
         with pytest.raises(QueueFull):  # two active, no waiting room
             engine.submit(Job([3], GenerationParams(max_tokens=3)))
-        events = await _drain(short)
+        events = await drain(short)
         assert engine.queue_depth == 1  # the long one is still going
         long.cancel()
         return events
@@ -78,7 +67,7 @@ def test_waiting_requests_are_admitted_in_order(models: LoadedModels) -> None:
         jobs = [Job([i], GenerationParams(max_tokens=2)) for i in range(6)]
         for job in jobs:
             engine.submit(job)
-        return [await _drain(job) for job in jobs]
+        return [await drain(job) for job in jobs]
 
     try:
         results = asyncio.run(main())
@@ -113,7 +102,7 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> Non
         jobs = [Job(prompt, params) for prompt, params in specs]
         for job in jobs:
             engine.submit(job)
-        return [await _drain(job) for job in jobs]
+        return [await drain(job) for job in jobs]
 
     try:
         results = asyncio.run(main())
@@ -141,7 +130,7 @@ def test_stop_gives_every_active_and_waiting_job_a_final_event(models: LoadedMod
         for job in jobs:
             engine.submit(job)
         await jobs[1].next_events(timeout=10)
-        drains = [asyncio.create_task(_drain(job)) for job in jobs]
+        drains = [asyncio.create_task(drain(job)) for job in jobs]
         t0 = time.monotonic()
         await asyncio.to_thread(engine.stop)
         assert time.monotonic() - t0 < 5
