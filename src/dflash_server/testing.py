@@ -351,6 +351,10 @@ class ReplayDrafter:
     def make_cache(self) -> list[Any]:
         return self.inner.make_cache()
 
+    def propose(self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any):
+        """The drafter contract (see ``DFlashDraftModel.propose``) over the planted logits."""
+        return sampler.propose(self(block_ids, target_hidden, cache, logits_start=1)[0], history)
+
     def append_context(self, target_hidden: Any, cache: list[Any]) -> None:
         self.inner.append_context(target_hidden, cache)
 

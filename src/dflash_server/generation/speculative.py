@@ -197,8 +197,9 @@ class SpeculativeDecoder:
                 mask = mx.full((size - 1,), self.draft.config.mask_token_id, dtype=last.dtype)
                 block = mx.concatenate([last, mask])[None]
                 context, self._context = self._context, None
-                draft_logits = self.draft(block, context, self.draft_cache, logits_start=1)[0]
-                drafts, log_q = self.sampler.propose(draft_logits, history)
+                drafts, log_q = self.draft.propose(
+                    block, context, self.draft_cache, self.sampler, history
+                )
                 self._timed("draft", drafts)
                 verify_input = mx.concatenate([last, drafts.astype(last.dtype)])
                 with self.rollback.recording():

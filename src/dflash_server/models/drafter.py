@@ -10,12 +10,15 @@ borrowed from the target with ``bind``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
+
+if TYPE_CHECKING:
+    from dflash_server.generation.sampling import TokenSampler
 
 _REQUIRED_KEYS = (
     "hidden_size",
@@ -269,6 +272,19 @@ class DFlashDraftModel(nn.Module):
         for layer, c in zip(self.layers, cache):
             h = layer(h, c)
         return self._bound.lm_head(self.norm(h[:, logits_start:]))
+
+    def propose(
+        self,
+        block_ids: mx.array,
+        target_hidden: mx.array | None,
+        cache: list[KVCache],
+        sampler: TokenSampler,
+        history: mx.array | None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """Drafts for block positions 1..B-1 and the log-probs ``log q`` they were drawn from
+        (None when greedy): the contract the decoder relies on, whatever the drafter family."""
+        logits = self(block_ids, target_hidden, cache, logits_start=1)[0]
+        return sampler.propose(logits, history)
 
 
 def check_pair(config: DFlashConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:
