@@ -6,10 +6,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_server.generation import rollback as rollback_module
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
+from dflash_server.models import hooks as hooks_module
 from dflash_server.testing import ReplayDrafter, random_drafter
 
 BLOCK = 8
@@ -32,7 +32,7 @@ def cache_arrays(cache) -> list[mx.array]:
 @pytest.mark.parametrize("accepted", range(BLOCK))
 def test_rollback_equals_fresh_prefill(request, monkeypatch, arch, accepted):
     if arch.endswith("-replay"):  # the Metal-kernel path: record inputs, replay the recurrence
-        monkeypatch.setattr(rollback_module, "_sequential_ops", lambda: False)
+        monkeypatch.setattr(hooks_module, "sequential_ops", lambda: False)
     model, tokenizer = request.getfixturevalue(arch.removesuffix("-replay"))
     prompt = tokenizer.encode("def fibonacci(n):")
     reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=2 * BLOCK)]

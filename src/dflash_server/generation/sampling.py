@@ -10,41 +10,55 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    penalty_context_size: int = 20  # mlx-lm's default window for all three penalties
+MAX_INT = 2**31 - 1
+
+
+class SamplingParams(BaseModel):
+    """The single definition of every sampling field and its bounds.
+
+    HTTP requests (all optional), ``Settings`` defaults and the CLI flags are generated from these
+    fields (``SERVED_FIELDS``); the Python API passes them by keyword.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(0.0, ge=0, le=2, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=-1, le=MAX_INT, description="keep the k best tokens (0 or -1: off)")
+    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p * best")
+    repetition_penalty: float | None = Field(None, gt=0, description="divide repeated logits")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="subtract if present")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtract per count")
+    penalty_context_size: int = Field(20, gt=0, description="tokens the penalties look back over")
     logit_bias: dict[int, float] | None = None
 
-    def __post_init__(self) -> None:
-        checks = [
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"),
-            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", (self.repetition_penalty or 1) > 0, "> 0"),
-            ("penalty_context_size", self.penalty_context_size > 0, "> 0"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value: int) -> int:
+        return max(0, value)  # -1 (vLLM's "off") and 0 mean the same
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("temperature must be a finite number")
+        return value
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# The fields a request may set and the server has defaults for (the rest is Python API only).
+_PYTHON_ONLY = ("logit_bias", "penalty_context_size")
+SERVED_FIELDS = tuple(n for n in SamplingParams.model_fields if n not in _PYTHON_ONLY)
 
 
 class TokenConstraint(Protocol):

@@ -73,17 +73,20 @@ class SpeculativeStats:
 
 @dataclass
 class Commit:
-    """Tokens committed together, with their log-probabilities when asked for."""
+    """Tokens committed together, with their log-probabilities when asked for.
+
+    ``finish`` is set on the last commit: "stop" (an EOS id, which is not in ``tokens``) or
+    "length" (``max_tokens`` reached).
+    """
 
     tokens: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
+    finish: str | None = None
 
-    def truncate(self, n: int) -> Commit:
-        if n >= len(self.tokens):
-            return self
+    def truncate(self, n: int, finish: str | None = None) -> Commit:
         top = None if self.top_logprobs is None else self.top_logprobs[:n]
-        return Commit(self.tokens[:n], self.logprobs and self.logprobs[:n], top)
+        return Commit(self.tokens[:n], self.logprobs and self.logprobs[:n], top, finish)
 
 
 @dataclass
@@ -251,9 +254,8 @@ class SpeculativeDecoder:
     def generate(
         self, prompt: list[int], max_tokens: int, eos_ids: set[int] | frozenset[int] = frozenset()
     ) -> Iterator[Commit]:
-        """Yield commits of tokens (the first holds the prefill's token).
-
-        Stops after ``max_tokens`` tokens or an EOS id (the EOS itself is yielded last).
+        """Yield commits of tokens (the first holds the prefill's token); the only place where
+        generation ends on tokens: at an EOS id or after ``max_tokens`` (see ``Commit.finish``).
         """
         if max_tokens <= 0:
             return
@@ -263,16 +265,12 @@ class SpeculativeDecoder:
         lookahead = self.block_size == 1 and not self.sampler.processors and not self.constraint
         queued: _Cycle | None = None
         while True:
-            commit = commit.truncate(max_tokens - produced)
-            for i, token in enumerate(commit.tokens):
-                if token in eos_ids:
-                    commit = commit.truncate(i + 1)
-                    break
+            commit = _terminate(commit, max_tokens - produced, eos_ids)
             produced += len(commit.tokens)
             self._history.extend(commit.tokens)
             if self.constraint is not None:
                 self.constraint.commit(commit.tokens)
-            if produced >= max_tokens or commit.tokens[-1] in eos_ids:
+            if commit.finish is not None:
                 yield commit
                 return
             cycle = queued or self._queue_cycle(last, min(self.block_size, max_tokens - produced))
@@ -280,3 +278,13 @@ class SpeculativeDecoder:
             if lookahead:
                 queued = self._queue_cycle(cycle.result[1:2], 1)
             commit, last = self._read(cycle)
+
+
+def _terminate(commit: Commit, room: int, eos_ids: set[int] | frozenset[int]) -> Commit:
+    """Cut a commit at its first EOS ("stop", EOS dropped) or at ``room`` tokens ("length")."""
+    for i, token in enumerate(commit.tokens[:room]):
+        if token in eos_ids:
+            return commit.truncate(i, "stop")
+    if len(commit.tokens) >= room:
+        return commit.truncate(room, "length")
+    return commit

@@ -1,4 +1,9 @@
-"""``stream_generate``: the public generation API, text in and text segments out."""
+"""Generation from a ``GenerationRequest``: token commits in, text segments out.
+
+``generate`` is what the engine runs; ``stream_generate`` is the reference-compatible Python API
+in front of it. Token-level termination lives in the decoder, text-level (detokenizing, stop
+strings) in ``TextStream``.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,20 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from dflash_server.generation.request import (
+    GenerationRequest,
+    Prebuilt,
+    block_size_for,
+)
 from dflash_server.generation.sampling import SamplingParams, TokenConstraint, TokenSampler
-from dflash_server.generation.speculative import SpeculativeDecoder, SpeculativeStats
+from dflash_server.generation.speculative import Commit, SpeculativeDecoder, SpeculativeStats
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.drafter import DFlashDraftModel
 
@@ -31,7 +41,7 @@ class GenerationResponse:
     generation_tokens: int
     generation_tps: float
     peak_memory: float  # GB
-    stats: SpeculativeStats = field(repr=False, default=None)  # type: ignore[assignment]
+    stats: SpeculativeStats | None = None
     accepted: int | None = None  # tokens this cycle committed (None for the prefill's token)
     logprobs: list[float] | None = None  # per token in ``tokens``, when asked for
     top_logprobs: list[list[tuple[int, float]]] | None = (
@@ -43,12 +53,12 @@ class GenerationResponse:
         return self.tokens[-1] if self.tokens else None
 
 
-def _encode(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array) -> list[int]:
+def encode(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array) -> list[int]:
+    """Token ids of a prompt, tokenized like mlx-lm's generate (BOS added unless present)."""
     if isinstance(prompt, str):
-        bos = tokenizer.bos_token
-        return tokenizer.encode(
-            prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
-        )
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
     ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     return [int(t) for t in ids]
 
@@ -75,6 +85,116 @@ class _StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class TextStream:
+    """Token commits -> text: the detokenizer plus stop strings (text-level termination)."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, stop: Sequence[str]) -> None:
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.stops = _StopMatcher(stop)
+
+    def feed(self, commit: Commit) -> tuple[str, int, str | None]:
+        """(text safe to emit, tokens it covers, finish reason or None)."""
+        text, finish = "", commit.finish
+        for n, token in enumerate(commit.tokens, 1):
+            self.detokenizer.add_token(token)
+            segment, hit = self.stops.feed(self.detokenizer.last_segment)
+            text += segment
+            if hit:
+                return text, n, "stop"
+        if finish is not None:  # flush held-back bytes and text
+            self.detokenizer.finalize()
+            tail, hit = self.stops.feed(self.detokenizer.last_segment)
+            text += tail if hit else tail + self.stops.flush()
+            finish = "stop" if hit else finish
+        return text, len(commit.tokens), finish
+
+
+def generate(
+    model: nn.Module,
+    draft: DFlashDraftModel | None,
+    tokenizer: TokenizerWrapper,
+    request: GenerationRequest,
+    *,
+    prefill_step_size: int = 2048,
+    profile: bool = False,
+) -> Iterator[GenerationResponse]:
+    """Run one request (``draft`` must be bound to ``model``; ignored when not speculative)."""
+    draft = draft if request.speculative else None
+    target = TargetModel.of(model, draft.config.target_layer_ids if draft else ())
+    constraint = None if request.constraint is None else request.constraint.build(tokenizer)
+    decoder = SpeculativeDecoder(
+        target,
+        draft,
+        TokenSampler(request.sampling, request.seed, request.sampler),
+        request.block_size,
+        prefill_step_size,
+        profile,
+        request.logprobs,
+        constraint,
+    )
+    text = TextStream(tokenizer, request.stop)
+    prompt = list(request.prompt)
+    tic = time.perf_counter()
+    prompt_tps, n = 0.0, 0
+    for i, commit in enumerate(decoder.generate(prompt, request.max_tokens, tokenizer.eos_token_ids)):
+        if i == 0:
+            prompt_tps = len(prompt) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        segment, kept, finish = text.feed(commit)
+        n += kept
+        kept_commit = commit.truncate(kept)
+        yield GenerationResponse(
+            text=segment,
+            tokens=kept_commit.tokens,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            stats=decoder.stats,
+            accepted=None if i == 0 else len(commit.tokens),
+            logprobs=kept_commit.logprobs,
+            top_logprobs=kept_commit.top_logprobs,
+        )
+        if finish is not None:
+            return
+
+
+class WiredLimit:
+    """mlx-lm's ``wired_limit`` for one model (Metal: keep weights resident; no-op on CPU), held
+    by the engine for its lifetime, or by each Python API generation; the first holder sets it
+    and the last restores it, so interleaved holders never restore it out of order."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.holders = model, 0
+        self._context: contextlib.AbstractContextManager | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> WiredLimit:
+        """The one holder per model, kept on the model itself."""
+        if "_dflash_wired_limit" not in model.__dict__:
+            model.__dict__["_dflash_wired_limit"] = cls(model)
+        return model.__dict__["_dflash_wired_limit"]
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self.holders == 0:
+                self._context = wired_limit(self.model, [generation_stream])
+                self._context.__enter__()
+            self.holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.holders -= 1
+                if self.holders == 0 and self._context is not None:
+                    self._context.__exit__(None, None, None)
 
 
 def stream_generate(
@@ -110,115 +230,25 @@ def stream_generate(
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    params = SamplingParams(
+    sampling = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias,
     )  # fmt: skip
-    prompt_ids = _encode(tokenizer, prompt)
-    if not prompt_ids:
-        raise ValueError("prompt is empty: give at least one token")
     if draft is not None:
-        trained = draft.config.block_size
-        block_size = trained if block_size is None else int(block_size)
-        if not 2 <= block_size <= trained:
-            raise ValueError(
-                f"block_size must be in [2, {trained}] for this drafter, got {block_size}"
-            )
-        draft.bind(model)
-        target = TargetModel.of(model, draft.config.target_layer_ids)
-    else:
-        target = TargetModel.of(model, ())
-    decoder = SpeculativeDecoder(
-        target,
-        draft,
-        TokenSampler(params, seed, sampler),
-        block_size or 1,
-        prefill_step_size,
-        profile,
-        logprobs,
-        constraint,
+        draft.bind(model)  # cheap; the engine binds once at load and calls ``generate``
+    request = GenerationRequest(
+        prompt=tuple(encode(tokenizer, prompt)),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        block_size=block_size_for(draft, block_size),
+        logprobs=logprobs,
+        constraint=None if constraint is None else Prebuilt(constraint),
+        sampler=sampler,
     )
-    stops = _StopMatcher([stop] if isinstance(stop, str) else list(stop or []))
-
-    with _shared_wired_limit(model):
-        yield from _responses(decoder, tokenizer, prompt_ids, max_tokens, stops)
-
-
-_wired = {"users": 0, "context": None}
-_wired_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _shared_wired_limit(model: nn.Module) -> Iterator[None]:
-    """mlx-lm's ``wired_limit`` (Metal: keep weights resident; no-op on CPU), entered by the first
-    of several interleaved generations and left by the last, so they never restore it out of order.
-    """
-    with _wired_lock:
-        if _wired["users"] == 0:
-            _wired["context"] = wired_limit(model, [generation_stream])
-            _wired["context"].__enter__()
-        _wired["users"] += 1
-    try:
-        yield
-    finally:
-        with _wired_lock:
-            _wired["users"] -= 1
-            if _wired["users"] == 0:
-                _wired["context"].__exit__(None, None, None)
-
-
-def _responses(
-    decoder: SpeculativeDecoder,
-    tokenizer: TokenizerWrapper,
-    prompt_ids: list[int],
-    max_tokens: int,
-    stops: _StopMatcher,
-) -> Iterator[GenerationResponse]:
-    eos_ids = set(tokenizer.eos_token_ids)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    tic = time.perf_counter()
-    prompt_tps, n = 0.0, 0
-    for i, commit in enumerate(decoder.generate(prompt_ids, max_tokens, eos_ids)):
-        if i == 0:
-            prompt_tps = len(prompt_ids) / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        finish, tokens, text, hit = None, [], "", False
-        for token in commit.tokens:
-            if token in eos_ids:
-                finish = "stop"
-                break
-            tokens.append(token)
-            detokenizer.add_token(token)
-            segment, hit = stops.feed(detokenizer.last_segment)
-            text += segment
-            if hit:
-                finish = "stop"
-                break
-        n += len(tokens)
-        commit = commit.truncate(len(tokens))
-        if finish is None and n >= max_tokens:
-            finish = "length"
-        if finish is not None and not hit:  # flush held-back bytes and text
-            detokenizer.finalize()
-            tail, hit = stops.feed(detokenizer.last_segment)
-            text += tail if hit else tail + stops.flush()
-            finish = "stop" if hit else finish
-        elapsed = max(time.perf_counter() - tic, 1e-9)
-        yield GenerationResponse(
-            text=text,
-            tokens=tokens,
-            finish_reason=finish,
-            prompt_tokens=len(prompt_ids),
-            prompt_tps=prompt_tps,
-            generation_tokens=n,
-            generation_tps=n / elapsed,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            stats=decoder.stats,
-            accepted=None if i == 0 else len(commit.tokens),
-            logprobs=commit.logprobs,
-            top_logprobs=commit.top_logprobs,
+    with WiredLimit.of(model).held():
+        yield from generate(
+            model, draft, tokenizer, request, prefill_step_size=prefill_step_size, profile=profile
         )
-        if finish is not None:
-            return

@@ -1,0 +1,239 @@
+"""Every hook DFlash puts into an mlx-lm target, in one place, checked once when it is installed.
+
+* taps: each tapped decoder layer instance gets a subclass whose ``__call__`` also keeps its output
+  (the residual stream after the layer), for the drafter's context;
+* Gated DeltaNet recording, for exact rollback after a partly accepted verify (FACTS §5): each
+  GDN layer's conv input (the conv1d instance gets a recording subclass) and its recurrence (the
+  module-level ``gated_delta_update`` that mlx-lm's layer calls is swapped only while a verify is
+  being recorded, then restored).
+
+mlx-lm's code and parameter trees stay untouched. ``TargetHooks.of(model)`` installs the hooks
+and runs ``self_check``: a two-token forward that must record what rollback needs and roll back
+exactly, so an mlx-lm release that renames or restructures these parts fails at load time with a
+message naming the version, never mid-request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from dflash_server.models.target_parts import find_target_parts
+
+_TAPPED: dict[type, type] = {}
+_RECORDING_CONV: dict[type, type] = {}
+
+
+class HookError(RuntimeError):
+    """The installed mlx-lm no longer has what the hooks rely on."""
+
+
+def _mlx_lm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mlx-lm")
+    except Exception:  # pragma: no cover - metadata missing in odd installs
+        return "unknown"
+
+
+def _hook_error(what: str) -> HookError:
+    return HookError(
+        f"mlx-lm {_mlx_lm_version()} changed what DFlash hooks into: {what}. dflash-server is "
+        "tested with mlx-lm 0.31-0.32: install one of those (pip install 'mlx-lm<0.33') or "
+        "update dflash-server."
+    )
+
+
+@dataclass
+class Recording:
+    """What one recorded forward left behind: per GDN layer, its recurrence call and conv input.
+
+    ``updates[i]`` = (args, kwargs, state after each token or None where only inputs are kept).
+    """
+
+    updates: list[tuple[tuple, dict, list[mx.array] | None]] = field(default_factory=list)
+    conv_inputs: list[mx.array] = field(default_factory=list)
+
+
+def sequential_ops() -> bool:
+    """True where mlx-lm's recurrence runs token by token as ops (no fused Metal kernel)."""
+    return mx.default_device() != mx.gpu or not mx.metal.is_available()
+
+
+def _step_by_step(original: Any, args: tuple, kwargs: dict) -> tuple[mx.array, list[mx.array]]:
+    """``original`` over the tokens one at a time; returns (outputs, state after each token)."""
+    q, k, v, a, b, A_log, dt_bias, state = args[:8]
+    mask = args[8] if len(args) > 8 else kwargs.pop("mask", None)
+    outputs, states = [], []
+    for t in range(q.shape[1]):
+        step = slice(t, t + 1)
+        y, state = original(
+            q[:, step], k[:, step], v[:, step], a[:, step], b[:, step], A_log, dt_bias, state,
+            None if mask is None else mask[:, step], **kwargs,
+        )  # fmt: skip
+        outputs.append(y)
+        states.append(state)
+    return mx.concatenate(outputs, axis=1), states
+
+
+def _tapped_class(cls: type) -> type:
+    if cls not in _TAPPED:
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = cls.__call__(self, *args, **kwargs)
+            hooks, index = self._dflash_tap
+            hooks.taps[index] = out[0] if isinstance(out, tuple) else out
+            return out
+
+        _TAPPED[cls] = type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
+    return _TAPPED[cls]
+
+
+def _recording_conv_class(cls: type) -> type:
+    if cls not in _RECORDING_CONV:
+
+        def __call__(self: Any, x: mx.array) -> mx.array:
+            recording = self._dflash_hooks.active
+            if recording is not None:
+                recording.conv_inputs.append(x)
+            return cls.__call__(self, x)
+
+        _RECORDING_CONV[cls] = type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__})
+    return _RECORDING_CONV[cls]
+
+
+def _set_private(obj: Any, name: str, value: Any) -> None:
+    # object.__setattr__: keep our bookkeeping out of the module's parameter tree.
+    object.__setattr__(obj, name, value)
+
+
+class TargetHooks:
+    """The hooks of one target model: tapped layers, GDN recorders, the recording in flight."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.parts = find_target_parts(model)
+        self.taps: dict[int, mx.array] = {}  # layer index -> its latest output
+        self.active: Recording | None = None
+        # GDN layers, and the mlx-lm modules whose gated_delta_update they call.
+        self.gdn: list[nn.Module] = []
+        self.originals: dict[ModuleType, Any] = {}
+        for layer in self.parts.layers:
+            gdn = getattr(layer, "linear_attn", None)
+            if gdn is None:
+                continue
+            module = sys.modules[type(gdn).__module__]
+            if not callable(getattr(module, "gated_delta_update", None)):
+                raise _hook_error(f"{module.__name__} has no gated_delta_update")
+            if not isinstance(getattr(gdn, "conv1d", None), nn.Module):
+                raise _hook_error(f"{type(gdn).__name__} has no conv1d module")
+            self.originals[module] = module.gated_delta_update
+            if type(gdn.conv1d) not in _RECORDING_CONV.values():
+                gdn.conv1d.__class__ = _recording_conv_class(type(gdn.conv1d))
+            _set_private(gdn.conv1d, "_dflash_hooks", self)
+            self.gdn.append(gdn)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> TargetHooks:
+        """The hooks of ``model``, installed and self-checked on first use."""
+        hooks = model.__dict__.get("_dflash_hooks")
+        if hooks is None:
+            hooks = cls(model)
+            model.__dict__["_dflash_hooks"] = hooks
+            hooks.self_check()
+        return hooks
+
+    def tap(self, layer_ids: tuple[int, ...]) -> None:
+        """Make these layers keep their outputs (idempotent; several drafters may share)."""
+        for i in layer_ids:
+            layer = self.parts.layers[i]
+            if type(layer) not in _TAPPED.values():
+                layer.__class__ = _tapped_class(type(layer))
+            _set_private(layer, "_dflash_tap", (self, i))
+
+    def take_taps(self, layer_ids: tuple[int, ...]) -> mx.array | None:
+        """The last forward's tapped outputs concatenated on features ([1, T, L*H]), then cleared."""
+        taps = mx.concatenate([self.taps[i] for i in layer_ids], axis=-1) if layer_ids else None
+        self.taps.clear()
+        return taps
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Recording]:
+        """Record the GDN conv inputs and recurrences of the forward run inside this block."""
+        recording = Recording()
+        if not self.gdn:
+            yield recording
+            return
+        self.active = recording
+        for module, original in self.originals.items():
+            module.gated_delta_update = self._recorder(original)
+        try:
+            yield recording
+        finally:
+            for module, original in self.originals.items():
+                module.gated_delta_update = original
+            self.active = None
+
+    def _recorder(self, original: Any) -> Any:
+        recording = self.active
+        assert recording is not None
+
+        def gated_delta_update(*args: Any, **kwargs: Any) -> Any:
+            if sequential_ops():
+                y, states = _step_by_step(original, args, dict(kwargs))
+                recording.updates.append((args, kwargs, states))
+                return y, states[-1]
+            recording.updates.append((args, kwargs, None))
+            return original(*args, **kwargs)
+
+        return gated_delta_update
+
+    def replay(self, gdn: nn.Module) -> Any:
+        """mlx-lm's own recurrence for this GDN layer (to replay a kept prefix)."""
+        return self.originals[sys.modules[type(gdn).__module__]]
+
+    def self_check(self) -> None:
+        """Record a two-token forward, roll it back to one token, compare with a one-token run."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from dflash_server.generation.rollback import CacheRollback
+
+        backbone = self.parts.backbone
+        tokens = mx.array([[1, 2]])
+        recorded = make_prompt_cache(self.model)
+        rollback = CacheRollback(self, recorded)
+        with rollback.recording() as recording:
+            backbone(tokens, recorded)
+        if len(recording.updates) != len(self.gdn):
+            raise _hook_error(
+                f"{len(recording.updates)} of {len(self.gdn)} Gated DeltaNet layers called "
+                "gated_delta_update through their module"
+            )
+        if len(recording.conv_inputs) != len(self.gdn):
+            raise _hook_error("Gated DeltaNet layers no longer call their conv1d module")
+        rollback.rollback(keep=1, fed=2)
+        reference = make_prompt_cache(self.model)
+        backbone(tokens[:, :1], reference)
+        for i, (a, b) in enumerate(zip(recorded, reference)):
+            same = all(
+                x.shape == y.shape and mx.allclose(x, y, atol=1e-4).item()
+                for x, y in zip(_contents(a), _contents(b))
+            )
+            if not same:
+                raise _hook_error(f"layer {i}'s cache does not roll back exactly")
+
+
+def _contents(cache: Any) -> list[mx.array]:
+    """Comparable content of a layer cache: KV up to its offset, or the recurrent arrays."""
+    if cache.is_trimmable():
+        n = cache.offset
+        return [cache.keys[..., :n, :], cache.values[..., :n, :], mx.array(n)]
+    return [x for x in cache.cache if x is not None]
