@@ -128,6 +128,7 @@ class Settings(BaseSettings):
     shutdown_timeout: float = Field(
         5.0, ge=0, description="seconds in-flight requests may finish after SIGINT/SIGTERM"
     )
+    web: bool = Field(True, description="serve the chat page at /")
 
     # Engine
     max_queue: int = Field(8, ge=0, description="requests allowed to wait for an active slot")

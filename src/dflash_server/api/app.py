@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from dflash_server.api.errors import install_error_handlers
 from dflash_server.api.guard import RequestGuard
 from dflash_server.api.routes import public, router
+from dflash_server.api.web import web
 from dflash_server.engine.loader import LoadedModels, describe, load_models
 from dflash_server.engine.worker import Engine, GenerateFn
 from dflash_server.settings import Settings
@@ -87,4 +88,6 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         )
     app.include_router(router)
     app.include_router(public)
+    if settings.web:
+        app.include_router(web)
     return app

@@ -1,0 +1,302 @@
+"""The chat page at ``/``, driven in Debian's headless Chromium by Playwright, on a real server.
+
+The server runs the tiny fixture models. Requests whose last message contains ``[script]`` or
+``[slow]`` are answered by a scripted generator (reasoning, Markdown, a tool call; or a long
+slow answer to stop), everything else by the real DFlash loop, so the stats are real.
+Screenshots (desktop and narrow) are written to a temp folder; their paths are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dflash_server import stream_generate
+from server_fixtures import RunningServer, ScriptedGenerate, build_draft, make_app, run_server
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="needs Debian's chromium at /usr/bin/chromium (.ci/run installs it)",
+)
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
+
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+KEY = "web-test-key"
+ORIGIN = "http://ui.example"
+SCRIPT = [
+    "Let me think",
+    " about *this*.",
+    "</think>",
+    '\n\nHere is **bold**, `code` and <img src=x onerror="window.__xss=1">.\n\n',
+    "```python\nprint('hi')\n```\n\n",
+    "- one\n- two\n",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "</function>\n</tool_call>",
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+class Generate:
+    """Scripted answers for ``[script]``/``[slow]`` prompts, the real DFlash loop otherwise."""
+
+    def __init__(self) -> None:
+        self.script = ScriptedGenerate(SCRIPT, delay=0.25)
+        self.slow = ScriptedGenerate(["word "] * 300, delay=0.05)
+
+    def __call__(self, model: Any, draft: Any, tokenizer: Any, prompt: Any, **kw: Any) -> Any:
+        last_user = tokenizer.decode(list(prompt)).rsplit("<|im_start|>user", 1)[-1]
+        if "[script]" in last_user:
+            return self.script(model, draft, tokenizer, prompt, **kw)
+        if "[slow]" in last_user:
+            return self.slow(model, draft, tokenizer, prompt, **kw)
+        return stream_generate(model, draft, tokenizer, prompt, **kw)
+
+
+@pytest.fixture(scope="module")
+def generate() -> Generate:
+    return Generate()
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory, generate: Generate
+) -> Iterator[RunningServer]:
+    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+    app = make_app(
+        tiny_hybrid_path,
+        draft,
+        generate=generate,
+        served_model_name="tiny",
+        api_key=KEY,
+        allowed_origins=ORIGIN,
+        context_length=512,
+    )
+    with run_server(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    # scripts/test.sh preloads OpenBLAS for MLX; Playwright's node driver cannot start with it
+    # (pthread_create fails), so its process (and Chromium, started by it) runs without.
+    preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        manager = sync_api.sync_playwright()
+        pw = manager.__enter__()
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
+    try:
+        b = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield b
+        b.close()
+    finally:
+        manager.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("screenshots")
+
+
+class Page:
+    """A fresh browser context (empty localStorage) with its console errors collected."""
+
+    def __init__(self, browser: Any, base: str, width: int = 1280, height: int = 800) -> None:
+        self.context = browser.new_context(viewport={"width": width, "height": height})
+        self.context.set_default_timeout(20_000)
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
+        self.page.goto(base + "/")
+        self.page.wait_for_function(
+            "() => document.getElementById('server-status').textContent.includes('ready')"
+        )
+
+    def configure(self, key: str = KEY, *, thinking: bool = False, max_tokens: str = "24") -> None:
+        p = self.page
+        if not p.is_visible("#api-key"):
+            p.click("#settings summary")
+        p.fill("#api-key", key)
+        p.fill("#temperature", "0")
+        p.fill("#max-tokens", max_tokens)
+        p.set_checked("#thinking", thinking)
+
+    def send(self, text: str) -> Any:
+        self.page.fill("#prompt", text)
+        self.page.press("#prompt", "Enter")
+        return self.page.locator("article.msg.assistant").last
+
+    def wait_done(self, timeout: float = 30_000) -> None:
+        self.page.wait_for_selector("article.msg.assistant[aria-busy='false']", timeout=timeout)
+        self.page.wait_for_function("() => !document.getElementById('send').disabled")
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def test_page_loads_without_key_and_streams_with_stats(browser: Any, server: RunningServer) -> None:
+    page = Page(browser, server.base_url)
+    p = page.page
+    assert p.title() == "dflash-server chat"
+    assert "tiny" in p.inner_text("#server-status")
+    page.configure()
+    answer = page.send("hello there")
+    p.wait_for_function(
+        "() => document.querySelector('article.msg.assistant .content').textContent.length > 0"
+    )
+    page.wait_done()
+    assert answer.locator(".content").inner_text().strip()
+    stats = answer.locator(".stats").inner_text()
+    for label in ("tokens", "tok/s", "TTFT", "τ", "block"):
+        assert label in stats, stats
+    assert answer.locator(".hist .bar").count() == 8  # one bar per block position
+    assert page.errors == []
+    # The conversation survives a reload; New chat clears it.
+    p.reload()
+    assert p.locator("article.msg").count() == 2
+    p.click("#new-chat")
+    assert p.locator("article.msg").count() == 0
+    assert json.loads(p.evaluate("() => localStorage.getItem('dflash.conversation')")) == []
+    assert p.evaluate("() => localStorage.getItem('dflash.apiKey')") == KEY
+    page.close()
+
+
+def test_reasoning_markdown_and_tool_calls(
+    browser: Any, server: RunningServer, shots: Path
+) -> None:
+    page = Page(browser, server.base_url)
+    p = page.page
+    page.configure(thinking=True)
+    p.fill("#tools", json.dumps(TOOLS))
+    answer = page.send("[script] what is the weather in Paris?")
+    # Open while thinking, collapsed once the answer arrives.
+    answer.locator("details.reasoning[open]").wait_for()
+    page.wait_done()
+    reasoning = answer.locator("details.reasoning")
+    assert not reasoning.evaluate("d => d.open")
+    assert answer.locator(".content strong").inner_text() == "bold"
+    assert "print('hi')" in answer.locator(".content pre code").inner_text()
+    assert answer.locator(".content li").count() == 2
+    assert answer.locator(".content img").count() == 0
+    assert "<img" in answer.locator(".content").inner_text()  # shown as text, never markup
+    assert p.evaluate("() => window.__xss") is None
+    call = answer.locator(".tool-call").inner_text()
+    assert "get_weather" in call and "Paris" in call
+    # The reasoning opens from the keyboard.
+    reasoning.locator("summary").focus()
+    p.keyboard.press("Enter")
+    assert reasoning.evaluate("d => d.open")
+    assert "think about this" in reasoning.inner_text()
+    assert page.errors == []
+
+    # One real answer below it for the stats, then the screenshots.
+    page.configure(thinking=False)
+    p.fill("#tools", "")
+    page.send("Tell me something")
+    p.wait_for_function("() => document.querySelectorAll('article.msg.assistant').length === 2")
+    page.wait_done()
+    desktop = shots / "chat-desktop.png"
+    p.screenshot(path=str(desktop), full_page=True)
+    p.set_viewport_size({"width": 390, "height": 844})
+    p.reload()  # the conversation is kept; on a narrow window the settings start folded
+    answer.locator(".stats").wait_for()
+    assert not p.is_visible("#api-key")
+    narrow = shots / "chat-narrow.png"
+    p.screenshot(path=str(narrow), full_page=True)
+    assert p.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth")
+    print(f"\nscreenshots: {desktop} {narrow}")
+    page.close()
+
+
+def test_stop_cancels_the_request_on_the_server(
+    browser: Any, server: RunningServer, generate: Generate
+) -> None:
+    page = Page(browser, server.base_url)
+    p = page.page
+    page.configure(max_tokens="")
+    answer = page.send("[slow] talk for a long time")
+    p.wait_for_function(
+        "() => document.querySelector('article.msg.assistant .content').textContent.includes('word')"
+    )
+    assert p.is_enabled("#stop") and not p.is_enabled("#send")
+    p.click("#stop")
+    answer.locator(".notice").wait_for()
+    assert answer.locator(".notice").inner_text() == "Stopped."
+    assert p.is_enabled("#send") and not p.is_enabled("#stop")
+    deadline = time.monotonic() + 10
+    while generate.slow.closed_early < 1:  # the server stopped generating
+        assert time.monotonic() < deadline, "generation went on after Stop"
+        time.sleep(0.05)
+    assert answer.locator(".content").inner_text().count("word") < 300
+    assert page.errors == []
+    page.close()
+
+
+@pytest.mark.parametrize("key", ["wrong-key", ""])
+def test_bad_api_key_shows_a_readable_error(browser: Any, server: RunningServer, key: str) -> None:
+    page = Page(browser, server.base_url, width=390, height=844)  # narrow: settings start closed
+    p = page.page
+    assert not p.is_visible("#api-key")
+    page.configure(key=key)
+    p.click("#settings summary")  # closed again: the error must reopen it
+    assert not p.is_visible("#api-key")
+    answer = page.send("hello")
+    error = answer.locator(".error")
+    error.wait_for()
+    text = error.inner_text()
+    assert "Error 401" in text and "API key" in text and "Settings" in text, text
+    assert error.get_attribute("role") == "alert"
+    assert p.is_visible("#api-key")  # settings opened to fix it
+    # Chromium logs the failed request itself; the page's own code raised nothing.
+    assert not [e for e in page.errors if "401" not in e], page.errors
+    page.close()
+
+
+def test_page_needs_no_key_and_has_cors_and_csp(server: RunningServer) -> None:
+    r = httpx.get(f"{server.base_url}/", headers={"Origin": ORIGIN})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+    for name in ("app.js", "views.js", "markdown.js", "style.css"):
+        assert httpx.get(f"{server.base_url}/web/{name}").status_code == 200
+    assert httpx.get(f"{server.base_url}/web/secret.txt").status_code == 404
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 401
+
+
+def test_no_web_turns_the_page_off(tiny_hybrid_path: Path, tmp_path: Path) -> None:
+    from starlette.testclient import TestClient
+
+    # Not used as a context manager: no lifespan, so the engine never starts.
+    on = TestClient(make_app(tiny_hybrid_path, tmp_path))
+    off = TestClient(make_app(tiny_hybrid_path, tmp_path, web=False))
+    for path in ("/", "/web/app.js"):
+        assert on.get(path).status_code == 200
+        assert off.get(path).status_code == 404
+    assert off.get("/v1/models").status_code == 200  # the API is still there
