@@ -96,26 +96,36 @@ def run_server(app: Any, ready_timeout: float = 60.0) -> Iterator[RunningServer]
         thread.join(15)
 
 
-@dataclass
-class FakeResponse:
-    """Quacks like dflash_server.GenerationResponse for scripted engine tests."""
+def real_generate(models: Any, request: Any) -> Iterator[Any]:
+    """The engine's own generation (``dflash_server.generation.stream.generate``), for wrappers."""
+    from dflash_server.generation.stream import generate
 
-    text: str
-    tokens: list[int]
-    finish_reason: str | None
-    prompt_tokens: int = 0
-    prompt_tps: float = 0.0
-    generation_tokens: int = 0
-    generation_tps: float = 0.0
-    peak_memory: float = 0.0
-    stats: Any = None
+    return generate(models.model, models.draft, models.tokenizer, request)
+
+
+def make_job(prompt: list[int], max_tokens: int, **fields: Any) -> Any:
+    """An engine ``Job`` for ``prompt``: plain decoding unless ``block_size`` > 1; sampling
+    fields (temperature, ...) by name."""
+    from dflash_server.engine.jobs import Job
+    from dflash_server.generation.request import GenerationRequest
+    from dflash_server.generation.sampling import SamplingParams
+
+    sampling = {k: fields.pop(k) for k in list(fields) if k in SamplingParams.model_fields}
+    return Job(GenerationRequest(tuple(prompt), max_tokens, SamplingParams(**sampling), **fields))
+
+
+def fake_response(text: str, tokens: list[int], finish_reason: str | None, n: int) -> Any:
+    """A ``GenerationResponse`` with made-up text and token ids, for scripted engine tests."""
+    from dflash_server.generation.stream import GenerationResponse
+
+    return GenerationResponse(text, tokens, finish_reason, 0, 0.0, n, 0.0, 0.0)
 
 
 class ScriptedGenerate:
     """A ``generate`` for Engine that replays text pieces, optionally slowly.
 
-    Records each call's kwargs and whether the generator was closed before its end, so tests
-    can check cancellation really stopped the work.
+    Records each call (the request, its prompt, the drafter it would use) and whether the
+    generator was closed before its end, so tests can check cancellation really stopped the work.
     """
 
     def __init__(self, pieces: list[str], delay: float = 0.0, first_delay: float = 0.0) -> None:
@@ -124,11 +134,10 @@ class ScriptedGenerate:
         self.closed_early = 0
         self.finished = 0
 
-    def __call__(
-        self, model: Any, draft: Any, tokenizer: Any, prompt: Any, **kw: Any
-    ) -> Iterator[Any]:
-        self.calls.append({"draft": draft, "prompt": prompt, **kw})
-        return self._run(kw.get("max_tokens", 1 << 30))
+    def __call__(self, models: Any, request: Any) -> Iterator[Any]:
+        draft = models.draft if request.speculative else None
+        self.calls.append({"request": request, "prompt": list(request.prompt), "draft": draft})
+        return self._run(request.max_tokens)
 
     def _run(self, max_tokens: int) -> Iterator[Any]:
         time.sleep(self.first_delay)
@@ -140,7 +149,7 @@ class ScriptedGenerate:
                     time.sleep(self.delay)
                 done = i == len(pieces) - 1
                 reason = ("length" if len(pieces) == max_tokens else "stop") if done else None
-                yield FakeResponse(piece, [i], reason, generation_tokens=i + 1)
+                yield fake_response(piece, [i], reason, i + 1)
         except GeneratorExit:
             if not done:  # closed before its last response: cancelled
                 self.closed_early += 1

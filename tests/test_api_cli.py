@@ -157,3 +157,23 @@ def test_drafter_that_does_not_fit_stops_the_server(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("dflash-serve: error: cannot use drafter")
     assert "hidden_size" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_readme_cli_table_equals_the_flags() -> None:
+    """The README's CLI reference is the table generated from Settings, flag for flag."""
+    from dflash_server.cli import markdown_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert markdown_table() in readme, (
+        "README's CLI table is stale: paste the output of "
+        "python -c 'from dflash_server.cli import markdown_table; print(markdown_table())'"
+    )
+    flags = {a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+    assert {f"--{n.replace('_', '-')}" for n in Settings.model_fields} == flags - {"-h"}
+
+
+def test_help_lists_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "convert" in out and "train" in out

@@ -13,8 +13,14 @@ import httpx
 import openai
 import pytest
 
-from dflash_server import stream_generate
-from server_fixtures import RunningServer, ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import (
+    RunningServer,
+    ScriptedGenerate,
+    build_draft,
+    make_app,
+    real_generate,
+    run_server,
+)
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
 
@@ -364,7 +370,7 @@ def test_real_generation_disconnect_frees_worker(tiny_hybrid_path: Path, draft_p
     produced: list[int] = []
 
     def slow_real(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        for response in stream_generate(*args, **kwargs):
+        for response in real_generate(*args, **kwargs):
             produced.append(len(response.tokens))
             time.sleep(0.05)
             yield response

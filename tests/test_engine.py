@@ -17,12 +17,10 @@ from dflash_server.engine.worker import (
     EngineNotReady,
     Failed,
     Finished,
-    GenerationParams,
-    Job,
     QueueFull,
     TextChunk,
 )
-from server_fixtures import ScriptedGenerate, build_draft, drain, start_engine
+from server_fixtures import ScriptedGenerate, build_draft, drain, make_job, start_engine
 
 # ----- reasoning split ---------------------------------------------------------------------
 
@@ -118,7 +116,7 @@ def test_jobs_run_in_order_with_params(models: LoadedModels) -> None:
     engine = _engine(models, gen)
 
     async def main() -> list[list[Any]]:
-        jobs = [Job([1, 2, i], GenerationParams(max_tokens=5, seed=i)) for i in range(3)]
+        jobs = [make_job([1, 2, i], 5, seed=i, block_size=8) for i in range(3)]
         for job in jobs:
             engine.submit(job)
         return [await drain(job, timeout=10) for job in jobs]
@@ -128,7 +126,7 @@ def test_jobs_run_in_order_with_params(models: LoadedModels) -> None:
     finally:
         engine.stop()
     assert [c["prompt"][-1] for c in gen.calls] == [0, 1, 2]  # FIFO
-    assert gen.calls[0]["seed"] == 0 and gen.calls[0]["draft"] is models.draft
+    assert gen.calls[0]["request"].seed == 0 and gen.calls[0]["draft"] is models.draft
     for events in results:
         text = "".join(e.text for e in events if isinstance(e, TextChunk))
         assert text == "abc"
@@ -143,7 +141,7 @@ def test_plain_decoding_passes_no_drafter(models: LoadedModels) -> None:
     engine = _engine(models, gen)
 
     async def main() -> None:
-        job = Job([1], GenerationParams(max_tokens=5, speculative=False, block_size=4))
+        job = make_job([1], 5, block_size=1)  # speculation off
         engine.submit(job)
         await drain(job, timeout=10)
 
@@ -151,7 +149,7 @@ def test_plain_decoding_passes_no_drafter(models: LoadedModels) -> None:
         asyncio.run(main())
     finally:
         engine.stop()
-    assert gen.calls[0]["draft"] is None and gen.calls[0]["block_size"] is None
+    assert gen.calls[0]["draft"] is None and not gen.calls[0]["request"].speculative
 
 
 def test_cancel_stops_running_job_and_frees_worker(models: LoadedModels) -> None:
@@ -159,18 +157,18 @@ def test_cancel_stops_running_job_and_frees_worker(models: LoadedModels) -> None
     engine = _engine(models, gen, max_queue=1)
 
     async def main() -> list[Any]:
-        first = Job([1], GenerationParams(max_tokens=500))
+        first = make_job([1], 500)
         engine.submit(first)
         await first.next_events(timeout=10)  # running now
-        queued = Job([2], GenerationParams(max_tokens=500))
+        queued = make_job([2], 500)
         engine.submit(queued)
         with pytest.raises(QueueFull) as full:
-            engine.submit(Job([3], GenerationParams(max_tokens=5)))
+            engine.submit(make_job([3], 5))
         assert full.value.retry_after >= 1
         queued.cancel()  # leaves the queue at once
         assert engine.queue_depth == 1
         first.cancel()
-        nxt = Job([4], GenerationParams(max_tokens=3))
+        nxt = make_job([4], 3)
         engine.submit(nxt)
         return await drain(nxt, timeout=10)
 
@@ -196,7 +194,7 @@ def test_generation_error_is_reported_and_worker_survives(models: LoadedModels) 
     engine = _engine(models, broken)
 
     async def main() -> tuple[list[Any], list[Any]]:
-        a, b = Job([1], GenerationParams(max_tokens=4)), Job([1], GenerationParams(max_tokens=4))
+        a, b = make_job([1], 4), make_job([1], 4)
         engine.submit(a)
         engine.submit(b)
         return await drain(a, timeout=10), await drain(b, timeout=10)
@@ -222,7 +220,7 @@ def test_loading_state_and_failure() -> None:
     assert engine.state == "loading"
 
     async def submit() -> None:
-        engine.submit(Job([1], GenerationParams(max_tokens=1)))
+        engine.submit(make_job([1], 1))
 
     with pytest.raises(EngineNotReady):
         asyncio.run(submit())
@@ -243,7 +241,7 @@ def test_event_loop_never_runs_mlx(models: LoadedModels) -> None:
     engine = _engine(models, gen)
 
     async def main() -> None:
-        job = Job([1], GenerationParams(max_tokens=2))
+        job = make_job([1], 2)
         engine.submit(job)
         await drain(job, timeout=10)
 

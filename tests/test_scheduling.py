@@ -9,18 +9,22 @@ from typing import Any
 
 import pytest
 
-from dflash_server import stream_generate
 from dflash_server.engine.loader import LoadedModels, load_models
 from dflash_server.engine.worker import (
     Engine,
     Failed,
     Finished,
-    GenerationParams,
-    Job,
     QueueFull,
     TextChunk,
 )
-from server_fixtures import ScriptedGenerate, build_draft, drain, start_engine
+from server_fixtures import (
+    ScriptedGenerate,
+    build_draft,
+    drain,
+    make_job,
+    real_generate,
+    start_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +42,13 @@ def test_short_request_finishes_while_long_one_runs(models: LoadedModels) -> Non
     engine = _engine(models, gen, max_active=2, max_queue=0)
 
     async def main() -> list[Any]:
-        long = Job([1], GenerationParams(max_tokens=1000))
+        long = make_job([1], 1000)
         engine.submit(long)
         await long.next_events(timeout=10)  # generating now
-        short = Job([2], GenerationParams(max_tokens=3))
+        short = make_job([2], 3)
         engine.submit(short)
         with pytest.raises(QueueFull):  # two active, no waiting room
-            engine.submit(Job([3], GenerationParams(max_tokens=3)))
+            engine.submit(make_job([3], 3))
         events = await drain(short)
         assert engine.queue_depth == 1  # the long one is still going
         long.cancel()
@@ -64,7 +68,7 @@ def test_waiting_requests_are_admitted_in_order(models: LoadedModels) -> None:
     engine = _engine(models, gen, max_active=2, max_queue=8)
 
     async def main() -> list[list[Any]]:
-        jobs = [Job([i], GenerationParams(max_tokens=2)) for i in range(6)]
+        jobs = [make_job([i], 2) for i in range(6)]
         for job in jobs:
             engine.submit(job)
         return [await drain(job) for job in jobs]
@@ -82,41 +86,39 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> Non
     cycle by cycle, each produce exactly the tokens they produce alone."""
     runs: dict[int, list[int]] = {}
 
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        key = args[3][0]  # each test prompt starts with a distinct token
+    def recording(models: Any, request: Any) -> Any:
+        key = request.prompt[0]  # each test prompt starts with a distinct token
         runs[key] = []
-        for response in stream_generate(*args, **kwargs):
+        for response in real_generate(models, request):
             runs[key].extend(response.tokens)
             yield response
 
     specs = [
-        ([5, 17, 40, 9], GenerationParams(max_tokens=60)),
-        ([6, 99, 3], GenerationParams(max_tokens=25, block_size=4)),
-        ([7, 12], GenerationParams(max_tokens=40, speculative=False)),
-        ([8, 31, 31, 31, 2], GenerationParams(max_tokens=50, repetition_penalty=1.1)),
-        ([9, 1, 2], GenerationParams(max_tokens=50, temperature=1.0, seed=3)),
+        ([5, 17, 40, 9], 60, {"block_size": 8}),
+        ([6, 99, 3], 25, {"block_size": 4}),
+        ([7, 12], 40, {}),  # plain decoding
+        ([8, 31, 31, 31, 2], 50, {"repetition_penalty": 1.1, "block_size": 8}),
+        ([9, 1, 2], 50, {"temperature": 1.0, "seed": 3, "block_size": 8}),
     ]
     engine = _engine(models, recording, max_active=5)
 
-    async def main() -> list[list[Any]]:
-        jobs = [Job(prompt, params) for prompt, params in specs]
+    async def main() -> tuple[list[Any], list[list[Any]]]:
+        jobs = [make_job(prompt, n, **kw) for prompt, n, kw in specs]
         for job in jobs:
             engine.submit(job)
-        return [await drain(job) for job in jobs]
+        return jobs, [await drain(job) for job in jobs]
 
     try:
-        results = asyncio.run(main())
+        jobs, results = asyncio.run(main())
     finally:
         engine.stop()
-    m = models
-    for (prompt, params), events in zip(specs, results):
+    for job, events in zip(jobs, results):
         assert isinstance(events[-1], Finished), events[-1]
-        if params.temperature:
+        request = job.request
+        if request.sampling.temperature:
             continue  # sampled: only checked to finish
-        kw = params.generate_kwargs()
-        draft = m.draft if params.speculative else None
-        lone = list(stream_generate(m.model, draft, m.tokenizer, prompt, **kw))
-        assert runs[prompt[0]] == [t for r in lone for t in r.tokens], prompt
+        lone = list(real_generate(models, request))
+        assert runs[request.prompt[0]] == [t for r in lone for t in r.tokens], request.prompt
         text = "".join(e.text for e in events if isinstance(e, TextChunk))
         assert text == "".join(r.text for r in lone)  # per-request detokenizer state
 
@@ -126,7 +128,7 @@ def test_stop_gives_every_active_and_waiting_job_a_final_event(models: LoadedMod
     engine = _engine(models, gen, max_active=2, max_queue=4)
 
     async def main() -> list[list[Any]]:
-        jobs = [Job([i], GenerationParams(max_tokens=1000)) for i in range(4)]
+        jobs = [make_job([i], 1000) for i in range(4)]
         for job in jobs:
             engine.submit(job)
         await jobs[1].next_events(timeout=10)

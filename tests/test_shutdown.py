@@ -20,15 +20,15 @@ from server_fixtures import build_draft, free_port
 # The real CLI, with generation slowed (50 ms per cycle) so requests are still running at the signal.
 LAUNCH = """
 import sys, time
-import dflash_server.engine.worker as worker
-from dflash_server import stream_generate
+import dflash_server.generation.stream as stream
+real = stream.generate
 
 def slow(*args, **kwargs):
-    for response in stream_generate(*args, **kwargs):
+    for response in real(*args, **kwargs):
         time.sleep(0.05)
         yield response
 
-worker._default_generate = slow
+stream.generate = slow
 from dflash_server.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -7,9 +7,11 @@ import contextlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from dflash_server.engine.loader import (
     DRAFT_PATTERNS,
@@ -22,77 +24,87 @@ from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list
 log = logging.getLogger("dflash_server")
 
 
+# Help sections: each starts at the named field and runs until the next (Settings' order).
+_SECTIONS = {
+    "target": "models",
+    "host": "HTTP",
+    "max_queue": "engine",
+    "block_size": "generation defaults (requests override them)",
+}
+SUBCOMMANDS = {
+    "convert": ("dflash_server.tools.convert", "convert a drafter checkpoint (e.g. quantize it)"),
+    "train": ("dflash_server.tools.train", "train or fine-tune a drafter on your target"),
+}
+
+
+def settings_fields() -> list[tuple[str, FieldInfo]]:
+    """Settings' fields in help order: its own sections, the sampling defaults last."""
+    own = [n for n in Settings.__annotations__ if n in Settings.model_fields]
+    rest = [n for n in Settings.model_fields if n not in own]
+    return [(n, Settings.model_fields[n]) for n in own + rest]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _default(info: FieldInfo) -> str | None:
+    value = info.get_default(call_default_factory=True)
+    if value is None or value == []:
+        return None
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _add_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> None:
+    """One flag from one field: its type, choices and help, all read from the field."""
+    kind = info.annotation
+    optional = get_origin(kind) in (Union, UnionType)
+    args = [a for a in get_args(kind) if a is not type(None)] if optional else [kind]
+    help_text = info.description or name.replace("_", " ")
+    if name == "config":
+        help_text += f" ({', '.join(list_presets())})"
+    if (default := _default(info)) is not None:
+        help_text += f" (default: {default})"
+    if args[0] is bool:
+        group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=help_text)
+    elif get_origin(args[0]) is Literal:
+        group.add_argument(_flag(name), choices=list(get_args(args[0])), help=help_text)
+    else:
+        scalar = args[0] if args[0] in (int, float) else str  # lists come comma separated
+        group.add_argument(_flag(name), type=scalar, help=help_text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Every flag defaults to None (= not given) so lower settings layers can fill it."""
+    """Flags generated from Settings; every one defaults to None (= not given) so lower
+    settings layers can fill it."""
+    tools = "\n".join(f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items())
     p = argparse.ArgumentParser(
         prog="dflash-serve",
         description="OpenAI-compatible server for DFlash speculative decoding on MLX. "
-        "Flags override DFLASH_* environment variables, which override --config.",
-        epilog="Drafter tools: 'dflash-serve convert --help', 'dflash-serve train --help'.",
+        "Flags override DFLASH_* environment variables, which override --config; with no model "
+        f"named anywhere the '{DEFAULT_PRESET}' preset is used.",
+        epilog=f"subcommands (dflash-serve NAME --help):\n{tools}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=None,
     )
-    m = p.add_argument_group("models")
-    m.add_argument("--target", help="target model: HF repo id or local MLX folder")
-    m.add_argument("--draft", help="DFlash drafter: HF repo id or local folder")
-    m.add_argument(
-        "--config",
-        help=f"TOML/JSON settings file, or a preset name ({', '.join(list_presets())}); "
-        f"with no model anywhere the '{DEFAULT_PRESET}' preset is used",
-    )
-    m.add_argument("--served-model-name", help="model id for clients (default: --target's name)")
-    m.add_argument("--context-length", type=int, help="cap prompt+output tokens (default: model's)")
-
-    h = p.add_argument_group("HTTP")
-    h.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
-    h.add_argument("--port", type=int, help="port (default 8000)")
-    h.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
-    h.add_argument("--allowed-origins", help="CORS origins, comma separated, or '*'")
-    h.add_argument("--keepalive", type=float, help="seconds between SSE keepalive comments")
-    h.add_argument(
-        "--stream-interval",
-        type=float,
-        help="min seconds between streamed text events; faster tokens go out together (0.02)",
-    )
-    h.add_argument("--max-request-bytes", type=int, help="largest request body (4 MiB); 413 beyond")
-    h.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        help="seconds in-flight requests may finish on SIGINT/SIGTERM before they are ended (5)",
-    )
-    h.add_argument(
-        "--log-level",
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="log level (only 'debug' logs prompt text)",
-    )
-
-    e = p.add_argument_group("engine")
-    e.add_argument("--max-queue", type=int, help="requests waiting for an active slot (8)")
-    e.add_argument(
-        "--max-active", type=int, help="requests generating at once, one cycle each in turn (4)"
-    )
-    e.add_argument("--prefill-step-size", type=int, help="prompt chunk size for prefill (2048)")
-
-    g = p.add_argument_group("generation defaults (requests override them)")
-    g.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
-    g.add_argument(
-        "--speculative",
-        action=argparse.BooleanOptionalAction,
-        help="use the drafter (--no-speculative: plain decoding)",
-    )
-    g.add_argument("--max-tokens", type=int, help="output cap (default: up to the context limit)")
-    g.add_argument(
-        "--enable-thinking",
-        action=argparse.BooleanOptionalAction,
-        help="thinking on by default (--no-enable-thinking turns it off)",
-    )
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--repetition-penalty", type=float)
-    g.add_argument("--presence-penalty", type=float)
-    g.add_argument("--frequency-penalty", type=float)
+    group = p.add_argument_group("settings")
+    for name, info in settings_fields():
+        if name in _SECTIONS:
+            group = p.add_argument_group(_SECTIONS[name])
+        _add_flag(group, name, info)
     return p
+
+
+def markdown_table() -> str:
+    """The README's CLI reference table, generated from the same fields as the flags."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for name, info in settings_fields():
+        flag = f"`{_flag(name)}`"
+        if info.annotation is bool:
+            flag = f"`{_flag(name)}` / `--no-{name.replace('_', '-')}`"
+        default = _default(info)
+        rows.append(f"| {flag} | {f'`{default}`' if default else '-'} | {info.description} |")
+    return "\n".join(rows)
 
 
 def load_settings(argv: Sequence[str] | None = None) -> Settings:
@@ -120,17 +132,13 @@ def _uvicorn_log_config(level: str) -> dict[str, Any]:
     return config
 
 
-# Drafter tools, dispatched before the server's flags are parsed: ``dflash-serve train ...``.
-TOOLS = {"convert": "dflash_server.tools.convert", "train": "dflash_server.tools.train"}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dflash-serve``; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in TOOLS:
+    if args and args[0] in SUBCOMMANDS:  # dispatched before the server's flags are parsed
         import importlib
 
-        return importlib.import_module(TOOLS[args[0]]).main(args[1:])
+        return importlib.import_module(SUBCOMMANDS[args[0]][0]).main(args[1:])
     try:
         settings = load_settings(argv)
     except SettingsError as exc:

@@ -13,7 +13,8 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -25,6 +26,8 @@ try:  # Python 3.11+
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
+
+from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
 
 DEFAULT_PRESET = "qwen3.5-4b"
 # Presets live at the repository root so users can read and copy them; an installed wheel
@@ -97,33 +100,67 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
         return dict(self._data)
 
 
-class Settings(BaseSettings):
+# The sampling defaults: SamplingParams' fields and bounds, with the server's own default
+# temperature (Qwen3.5 + DFlash is meant to be sampled; the Python API defaults to greedy).
+_SERVER_DEFAULTS = {"temperature": 1.0}
+_SamplingDefaults = create_model(
+    "SamplingDefaults",
+    **{
+        name: (
+            SamplingParams.model_fields[name].annotation,
+            FieldInfo.merge_field_infos(
+                SamplingParams.model_fields[name],
+                default=_SERVER_DEFAULTS.get(name, SamplingParams.model_fields[name].default),
+            ),
+        )
+        for name in SERVED_FIELDS
+    },
+)
+
+
+class Settings(BaseSettings, _SamplingDefaults):
     """Everything `dflash-serve` can be told; see README "CLI reference"."""
 
     model_config = SettingsConfigDict(env_prefix="DFLASH_", extra="forbid", validate_default=True)
 
     # Models
-    target: str | None = Field(None, description="target model: HF repo id or local MLX folder")
-    draft: str | None = Field(None, description="DFlash drafter: HF repo id or local folder")
-    served_model_name: str | None = Field(
-        None, description="model id clients use (default: last part of --target)"
+    target: str | None = Field(
+        None, description="target model: hub id or local MLX folder (default: the preset's)"
     )
-    config: str | None = Field(None, description="TOML/JSON settings file or preset name")
+    draft: str | None = Field(
+        None, description="DFlash drafter: hub id or local folder (give both or neither)"
+    )
+    served_model_name: str | None = Field(
+        None, description="model id shown by /v1/models (default: last part of --target)"
+    )
+    config: str | None = Field(
+        None, description="TOML/JSON settings file, or a preset name from configs/"
+    )
+    hf_target: str | None = Field(
+        None,
+        description="original HF checkpoint of --target, for 'dflash-serve export' (vLLM/SGLang)",
+    )
 
     # HTTP
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    host: str = Field("127.0.0.1", description="bind address (0.0.0.0 exposes the server)")
+    port: int = Field(8000, ge=0, le=65535, description="port")
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer <key>' on /v1/* (/health stays open)"
+    )
     allowed_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="CORS origins, comma separated ('*' for any)"
     )
-    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
-    keepalive: float = Field(10.0, gt=0, description="seconds between SSE keepalive comments")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="log level (only debug logs prompt text)"
+    )
+    keepalive: float = Field(
+        10.0, gt=0, description="seconds between SSE keepalive comments (long prefills)"
+    )
     stream_interval: float = Field(
-        0.02, ge=0, description="min seconds between streamed text events (0: every token)"
+        0.02, ge=0, description="min seconds between streamed text events (0: every step)"
     )
     max_request_bytes: int = Field(
-        4 * 1024 * 1024, gt=0, description="largest request body accepted (413 beyond)"
+        4 * 1024 * 1024, gt=0, description="largest request body; bigger ones get 413"
     )
     shutdown_timeout: float = Field(
         5.0, ge=0, description="seconds in-flight requests may finish after SIGINT/SIGTERM"
@@ -131,29 +168,29 @@ class Settings(BaseSettings):
     web: bool = Field(True, description="serve the chat page at /")
 
     # Engine
-    max_queue: int = Field(8, ge=0, description="requests allowed to wait for an active slot")
+    max_queue: int = Field(
+        8, ge=0, description="requests that may wait for an active slot (429 beyond)"
+    )
     max_active: int = Field(
         4, ge=1, description="requests generating at once, interleaved one DFlash cycle each"
     )
     context_length: int | None = Field(
-        None, gt=0, description="token limit for prompt + output (default: the model's)"
+        None, gt=0, description="cap on prompt + output tokens (default: the model's)"
     )
-    prefill_step_size: int = Field(2048, gt=0)
+    prefill_step_size: int = Field(
+        2048, gt=0, description="prompt chunk size for prefill (bounds peak memory)"
+    )
 
     # Generation defaults, used when a request leaves the field out
-    block_size: int | None = Field(None, ge=1, description="draft block (default: drafter's)")
-    speculative: bool = Field(True, description="use the drafter (False: plain decoding)")
-    max_tokens: int | None = Field(
-        None, gt=0, description="default output cap (default: up to the context limit)"
+    block_size: int | None = Field(
+        None, ge=1, description="draft block size, 2..the drafter's (default: the drafter's)"
     )
-    enable_thinking: bool = True
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    speculative: bool = Field(True, description="draft with DFlash (off: plain decoding)")
+    max_tokens: int | None = Field(
+        None, gt=0, description="output cap when a request sets none (default: context limit)"
+    )
+    enable_thinking: bool = Field(True, description="the chat template's thinking switch")
+    # ... and every field of SamplingParams in SERVED_FIELDS, from _SamplingDefaults
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

@@ -17,11 +17,10 @@ from typing import Any
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared
+from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
 from dflash_server.engine.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
-from dflash_server.engine.prompts import think_markers
-from dflash_server.engine.reasoning import ReasoningSplitter
+from dflash_server.engine.reasoning import ReasoningSplitter, think_markers
 from dflash_server.engine.tool_calls import ToolCall, ToolCallParser
-from dflash_server.engine.worker import Failed, Finished, Job, TextChunk
 
 DONE = "[DONE]"
 # How often a non-streaming request checks whether its client is still there.
@@ -54,7 +53,7 @@ class ChatText:
 
     def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
         start, end = think_markers(tokenizer)
-        self.splitter = ReasoningSplitter(prepared.prompt.opens_reasoning, start, end)
+        self.splitter = ReasoningSplitter(prepared.request.reasoning.opens, start, end)
         self.tools = (
             ToolCallParser(prepared.tools, prepared.parallel_tool_calls) if prepared.tools else None
         )
@@ -94,7 +93,7 @@ class _Stream:
         self.calls = 0  # tool calls sent so far (their delta index)
         self.sent = 0  # length of the token strings sent so far (logprobs text_offset)
         self.logprobs: list[TokenLogprob] | None = (
-            [] if prepared.params.logprobs is not None else None
+            [] if prepared.request.logprobs is not None else None
         )
 
     def chunk(self, choice: dict[str, Any], **extra: Any) -> str:
@@ -237,7 +236,7 @@ async def collect_response(
     text = "".join(parts)
     rid = uuid.uuid4().hex
     common = {"created": int(time.time()), "model": prepared.model, "usage": _usage(done)}
-    asked = prepared.params.logprobs is not None
+    asked = prepared.request.logprobs is not None
     if prepared.kind == "completion":
         logprobs = completion_logprobs(entries) if asked else None
         choice = {

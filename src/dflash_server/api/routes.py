@@ -11,8 +11,9 @@ from sse_starlette import EventSourceResponse
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared, check_model, prepare_chat, prepare_completion
 from dflash_server.api.responses import collect_response, stream_response
-from dflash_server.api.types import ChatCompletionRequest, CompletionRequest, ModelList
-from dflash_server.engine.worker import Engine, EngineNotReady, Job, QueueFull
+from dflash_server.api.types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from dflash_server.engine.jobs import EngineNotReady, Job, QueueFull
+from dflash_server.engine.worker import Engine
 from dflash_server.settings import Settings
 
 
@@ -30,7 +31,7 @@ public = APIRouter()
 
 
 def _submit(engine: Engine, prepared: Prepared) -> Job:
-    job = Job(prepared.prompt.tokens, prepared.params)
+    job = Job(prepared.request)
     try:
         engine.submit(job)
     except QueueFull as exc:
@@ -79,7 +80,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [_model_card(request)]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     check_model(model_id, _settings(request))
     return _model_card(request)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+from dflash_server.generation.sampling import MAX_INT, SERVED_FIELDS, SamplingParams
 
 # Bounds that keep absurd values out of the engine (a 400, never an overflow deep inside).
-MAX_INT = 2**31 - 1
 MAX_SEED = 2**64 - 1
 
 
@@ -46,18 +48,25 @@ class _Request(BaseModel):
         return data
 
 
-class SamplingFields(_Request):
+# SamplingParams' served fields, each optional (None: the server's default) with its bounds.
+_SamplingOverrides = create_model(
+    "SamplingOverrides",
+    __base__=_Request,
+    **{
+        name: (
+            SamplingParams.model_fields[name].annotation | None,
+            FieldInfo.merge_field_infos(SamplingParams.model_fields[name], default=None),
+        )
+        for name in SERVED_FIELDS
+    },
+)
+
+
+class SamplingFields(_SamplingOverrides):
     """Sampling and DFlash fields shared by chat and text completions."""
 
     model: str | None = Field(None, description="served model id (see /v1/models)")
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=MAX_INT, description="0 or -1: off")
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-1, le=MAX_SEED, description="-1: random (llama.cpp)")
     stream: bool = False
@@ -172,71 +181,6 @@ def unsupported_features(req: SamplingFields) -> tuple[str, str] | None:
 # ----- responses ---------------------------------------------------------------------------
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class DFlashStats(BaseModel):
-    """The ``dflash`` extension object on responses and on the final stream chunk."""
-
-    model_config = ConfigDict(extra="allow")
-    speculative: bool = Field(description="whether the drafter was used")
-    block_size: int | None = Field(None, description="draft block size used")
-    tau: float | None = Field(None, description="mean tokens committed per target forward")
-    cycles: int | None = Field(None, description="draft/verify cycles")
-    drafted: int | None = Field(None, description="draft tokens proposed")
-    accepted: int | None = Field(None, description="draft tokens accepted")
-    acceptance_rate: float | None = Field(None, description="accepted / drafted")
-    prompt_tps: float = Field(description="prefill tokens per second")
-    generation_tps: float = Field(description="output tokens per second")
-    peak_memory_gb: float = Field(description="peak MLX memory during the request")
-    queue_wait_s: float = Field(description="seconds spent waiting for the worker")
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = Field(None, description="same text as reasoning_content")
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    dflash: DFlashStats | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    dflash: DFlashStats | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -247,17 +191,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
 
 
 SamplingFields.model_rebuild()

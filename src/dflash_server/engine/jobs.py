@@ -1,4 +1,4 @@
-"""What the engine hands between the event loop and its worker: jobs, their params and events."""
+"""What the engine hands between the event loop and its worker: jobs and their events."""
 
 from __future__ import annotations
 
@@ -6,13 +6,12 @@ import asyncio
 import collections
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash_server.engine.logprobs import TokenLogprob
-
-if TYPE_CHECKING:
-    from dflash_server.engine.worker import Engine
+from dflash_server.generation.request import GenerationRequest
 
 
 class QueueFull(Exception):
@@ -25,43 +24,6 @@ class QueueFull(Exception):
 
 class EngineNotReady(Exception):
     """Models are still loading, or loading failed."""
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """Everything ``stream_generate`` needs besides the models and the prompt."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    block_size: int | None = None
-    speculative: bool = True
-    logprobs: int | None = None  # alternatives per token; None: no logprobs
-    grammar: str | None = None  # llguidance (lark) grammar for structured output / tool_choice
-    think_end: int | None = None  # the grammar starts after this token (reasoning left open)
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "stop": list(self.stop) or None,
-            "seed": self.seed,
-            "block_size": self.block_size if self.speculative else None,
-            "logprobs": self.logprobs,
-        }
 
 
 @dataclass
@@ -101,9 +63,8 @@ Event = TextChunk | Finished | Failed
 class Job:
     """One generation request: created on the event loop, run on the worker thread."""
 
-    def __init__(self, prompt: list[int], params: GenerationParams) -> None:
-        self.prompt = prompt
-        self.params = params
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
         self.created = time.monotonic()
         self.started: float | None = None
         self._loop = asyncio.get_running_loop()
@@ -114,18 +75,22 @@ class Job:
         self._wake_pending = False
         self._cancelled = threading.Event()
         self._done = False
-        self._engine: Engine | None = None
+        self._on_cancel: Callable[[], None] | None = None
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the job is cancelled (the engine drops it from its queue)."""
+        self._on_cancel = callback
+
     def cancel(self) -> None:
         """Stop the job: drop it from the queue, or stop generating at the next cycle."""
         if not self._cancelled.is_set():
             self._cancelled.set()
-            if self._engine is not None:
-                self._engine._discard(self)
+            if self._on_cancel is not None:
+                self._on_cancel()
 
     def emit(self, event: Event) -> None:
         """Hand an event to the event loop (called from the worker thread)."""

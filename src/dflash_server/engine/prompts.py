@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from dflash_server.engine.reasoning import prompt_reasoning
+from dflash_server.generation.request import Reasoning
+from dflash_server.generation.stream import encode
 
 
 class PromptError(ValueError):
@@ -16,20 +20,11 @@ class Prompt:
 
     text: str
     tokens: list[int]
-    opens_reasoning: bool = False
+    reasoning: Reasoning = field(default_factory=Reasoning)
 
-
-def think_markers(tokenizer: Any) -> tuple[str, str]:
-    """The model's reasoning markers (mlx-lm infers them from the vocabulary)."""
-    start = getattr(tokenizer, "think_start", None) or "<think>"
-    end = getattr(tokenizer, "think_end", None) or "</think>"
-    return start, end
-
-
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Tokenize like mlx-lm's generate does, so HTTP and Python API see the same ids."""
-    bos = getattr(tokenizer, "bos_token", None)
-    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+    @property
+    def opens_reasoning(self) -> bool:
+        return self.reasoning.opens
 
 
 def render_chat(
@@ -57,11 +52,7 @@ def render_chat(
         )
     except Exception as exc:  # jinja raises TemplateError / TypeError for malformed input
         raise PromptError(f"chat template rejected the messages: {exc}") from exc
-    start, end = think_markers(tokenizer)
-    # Qwen3.5 ends its generation prompt with "<think>\n" when thinking is on: the output then
-    # begins inside reasoning. With thinking off the prompt closes the block itself.
-    opens = text.rfind(start) > text.rfind(end)
-    return Prompt(text, encode(tokenizer, text), opens)
+    return Prompt(text, encode(tokenizer, text), prompt_reasoning(tokenizer, text))
 
 
 def render_completion(tokenizer: Any, prompt: str | list[int]) -> Prompt:

@@ -7,6 +7,33 @@ reach either field.
 
 from __future__ import annotations
 
+from typing import Any
+
+from dflash_server.generation.request import Reasoning
+
+
+def think_markers(tokenizer: Any) -> tuple[str, str]:
+    """The model's reasoning markers (mlx-lm infers them from the vocabulary)."""
+    start = getattr(tokenizer, "think_start", None) or "<think>"
+    end = getattr(tokenizer, "think_end", None) or "</think>"
+    return start, end
+
+
+def prompt_reasoning(tokenizer: Any, prompt_text: str) -> Reasoning:
+    """Whether a rendered prompt leaves a think block open, and the one token that closes it.
+
+    Qwen3.5 ends its generation prompt with "<think>\n" when thinking is on: the output then
+    begins inside reasoning. With thinking off the prompt closes the block itself.
+    """
+    start, end = think_markers(tokenizer)
+    if prompt_text.rfind(start) <= prompt_text.rfind(end):
+        return Reasoning(opens=False)
+    try:  # mlx-lm raises for multi-token markers: then no token-level gating
+        think_end = getattr(tokenizer, "think_end_id", None)
+    except ValueError:
+        think_end = None
+    return Reasoning(opens=True, think_end=think_end)
+
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of ``text`` that could be the start of one of ``markers``."""

@@ -15,6 +15,7 @@ import json
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -237,7 +238,15 @@ class GrammarConstraint:
             raise RuntimeError(f"grammar rejected committed tokens: {self.matcher.get_error()}")
 
 
-def make_constraint(
-    tokenizer: Any, grammar: str | None, think_end: int | None = None
-) -> GrammarConstraint | None:
-    return None if grammar is None else GrammarConstraint(tokenizer, grammar, think_end)
+@dataclass(frozen=True)
+class Grammar:
+    """A request's grammar (lark text); built into a matcher on the worker, where MLX runs.
+
+    With ``think_end`` set the prompt left reasoning open: the grammar starts after that token.
+    """
+
+    text: str
+    think_end: int | None = None
+
+    def build(self, tokenizer: Any) -> GrammarConstraint:
+        return GrammarConstraint(tokenizer, self.text, self.think_end)

@@ -16,54 +16,40 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_server.engine.jobs import (
     EngineNotReady,
     Event,
     Failed,
     Finished,
-    GenerationParams,
     Job,
     QueueFull,
     TextChunk,
 )
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
 from dflash_server.engine.logprobs import TokenTexts, token_logprobs
+from dflash_server.generation.request import GenerationRequest
 
-__all__ = [
-    "Engine",
-    "EngineNotReady",
-    "Event",
-    "Failed",
-    "Finished",
-    "GenerateFn",
-    "GenerationParams",
-    "Job",
-    "QueueFull",
-    "TextChunk",
-]
+if TYPE_CHECKING:
+    from dflash_server.generation.stream import GenerationResponse
 
 log = logging.getLogger("dflash_server")
 SHUTDOWN = "server is shutting down"
 
-
-GenerateFn = Callable[..., Iterator[Any]]
+# One request's generation on the resident models: a response per cycle (the first: prefill).
+GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator["GenerationResponse"]]
 LoaderFn = Callable[[], LoadedModels]
-
-
-def _default_generate(*args: Any, **kwargs: Any) -> Iterator[Any]:
-    from dflash_server import stream_generate
-
-    return stream_generate(*args, **kwargs)
 
 
 class _Run:
     """An admitted job on the worker thread: its generator and what its final event needs."""
 
-    def __init__(self, job: Job, gen: Iterator[Any], texts: TokenTexts | None) -> None:
+    def __init__(
+        self, job: Job, gen: Iterator[GenerationResponse], texts: TokenTexts | None
+    ) -> None:
         self.job, self.gen, self.texts = job, gen, texts
-        self.last: Any = None
+        self.last: GenerationResponse | None = None
         self.produced = 0
 
     def step(self) -> Event | None:
@@ -108,7 +94,7 @@ class Engine:
         on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self._loader = loader
-        self._generate = generate or _default_generate
+        self._generate = generate or self._run_request
         self._on_fatal = on_fatal
         self.max_queue = max_queue
         self.max_active = max(1, max_active)
@@ -148,7 +134,7 @@ class Engine:
             pending, self._pending = list(self._pending), collections.deque()
             self._cond.notify_all()
         for job in pending:
-            job._cancelled.set()
+            job.cancel()
             job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -180,7 +166,7 @@ class Engine:
             if waits >= self.max_active + self.max_queue:
                 rounds = waits / self.max_active
                 raise QueueFull(max(1, min(300, round(rounds * self._mean_job_s))))
-            job._engine = self
+            job.on_cancel(lambda: self._discard(job))
             self._pending.append(job)
             self._cond.notify()
 
@@ -200,11 +186,14 @@ class Engine:
             log.exception("model loading failed")
             self._fail(f"model loading failed: {exc}")
             return
+        from dflash_server.generation.stream import WiredLimit
+
         self.state = "ready"
         self._ready.set()
         try:
-            while self._round():
-                pass
+            with WiredLimit.of(self.models.model).held():  # for the engine's lifetime
+                while self._round():
+                    pass
         finally:
             for run in list(self._active):  # shutdown: every open stream gets a final event
                 run.job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
@@ -240,6 +229,19 @@ class Engine:
         if self._on_fatal is not None:
             self._on_fatal(message)
 
+    def _run_request(
+        self, models: LoadedModels, request: GenerationRequest
+    ) -> Iterator[GenerationResponse]:
+        from dflash_server.generation.stream import generate
+
+        return generate(
+            models.model,
+            models.draft,
+            models.tokenizer,
+            request,
+            prefill_step_size=self.prefill_step_size,
+        )
+
     def _start(self, job: Job) -> _Run | None:
         """Create the job's generator (no MLX work yet: its first step is the prefill)."""
         if job.cancelled:
@@ -248,37 +250,17 @@ class Engine:
         m = self.models
         job.started = time.monotonic()
         if log.isEnabledFor(logging.DEBUG):  # prompt text only ever at debug level
-            log.debug("request prompt: %r", m.tokenizer.decode(job.prompt)[-2000:])
+            log.debug("request prompt: %r", m.tokenizer.decode(job.request.prompt)[-2000:])
         if not self._active:
             import mlx.core as mx
 
             mx.reset_peak_memory()  # the peak of the busy period that starts here
-        extra: dict[str, Any] = {}
-        if job.params.grammar is not None:
-            from dflash_server.engine.structured import make_constraint
-
-            try:  # compiled per request (ms); checked at admission, so failure is unexpected
-                extra["constraint"] = make_constraint(
-                    m.tokenizer, job.params.grammar, job.params.think_end
-                )
-            except Exception as exc:
-                log.exception("grammar setup failed")
-                job.emit(Failed(f"structured output setup failed: {exc}"))
-                return None
         texts = None
-        if job.params.logprobs is not None:
+        if job.request.logprobs is not None:
             texts = self._token_texts or TokenTexts(m.tokenizer)
             self._token_texts = texts
         try:
-            gen = self._generate(
-                m.model,
-                m.draft if job.params.speculative else None,
-                m.tokenizer,
-                job.prompt,
-                prefill_step_size=self.prefill_step_size,
-                **job.params.generate_kwargs(),
-                **extra,
-            )
+            gen = self._generate(m, job.request)
         except Exception as exc:
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {exc}"))
@@ -298,33 +280,28 @@ class Engine:
         self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed
 
     def _finished(self, run: _Run) -> Finished:
-        assert self.models is not None
         job, last = run.job, run.last
-        speculative = job.params.speculative and self.models.draft is not None
-        stats: dict[str, Any] = {"speculative": speculative}
+        prompt_tokens = len(job.request.prompt)
+        stats: dict[str, Any] = {"speculative": job.request.speculative}
         if last is None:  # the generator yielded nothing at all
-            return Finished("length", len(job.prompt), 0, stats)
-        spec = getattr(last, "stats", None)
-        if spec is not None and hasattr(spec, "as_dict"):
-            stats.update(spec.as_dict())
-        drafted, accepted = stats.get("drafted"), stats.get("accepted")
-        if drafted:
-            stats["acceptance_rate"] = round(accepted / drafted, 4)
-        if speculative:
-            stats.setdefault("block_size", job.params.block_size or self.models.draft_block_size)
+            return Finished("length", prompt_tokens, 0, stats)
+        if last.stats is not None:
+            stats.update(last.stats.as_dict())
+        if job.request.speculative:
+            stats.setdefault("block_size", job.request.block_size)
         stats.update(
             prompt_tps=round(float(last.prompt_tps), 2),
             generation_tps=round(float(last.generation_tps), 2),
             peak_memory_gb=round(float(last.peak_memory), 3),
             queue_wait_s=round((job.started or job.created) - job.created, 3),
         )
-        done = Finished(last.finish_reason or "length", len(job.prompt), run.produced, stats)
+        done = Finished(last.finish_reason or "length", prompt_tokens, run.produced, stats)
         log.info(
             "request: %d prompt + %d output tokens (%s), %.1f tok/s, tau %s",
             done.prompt_tokens,
             done.completion_tokens,
             done.finish_reason,
-            stats.get("generation_tps", 0.0),
-            stats.get("tau", "-") if speculative else "- (plain decoding)",
+            stats["generation_tps"],
+            stats.get("tau", "-") if job.request.speculative else "- (plain decoding)",
         )
         return done

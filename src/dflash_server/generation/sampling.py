@@ -16,7 +16,6 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
 MAX_INT = 2**31 - 1
 
 
@@ -29,13 +28,25 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(0.0, ge=0, le=2, description="0: greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
-    top_k: int = Field(0, ge=-1, le=MAX_INT, description="keep the k best tokens (0 or -1: off)")
-    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p * best")
-    repetition_penalty: float | None = Field(None, gt=0, description="divide repeated logits")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="subtract if present")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtract per count")
+    temperature: float = Field(0.0, ge=0, le=2, description="sampling temperature (0: greedy)")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="keep the most likely tokens up to this probability mass"
+    )
+    top_k: int = Field(
+        0, ge=-1, le=MAX_INT, description="keep the k most likely tokens (0 or -1: off)"
+    )
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="drop tokens less likely than min_p times the best"
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="penalise recent tokens multiplicatively (1: off)"
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="subtract from the logits of recent tokens"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="subtract per occurrence in recent tokens"
+    )
     penalty_context_size: int = Field(20, gt=0, description="tokens the penalties look back over")
     logit_bias: dict[int, float] | None = None
 
@@ -135,6 +146,10 @@ class TokenSampler:
     def _next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)
         return sub
+
+    def next_key(self) -> mx.array:
+        """A fresh PRNG key from this sampler's seeded stream (for drafters that sample)."""
+        return self._next_key()
 
     def process(self, logits: mx.array, history: mx.array) -> mx.array:
         """Apply the logits processors to every row with the same ``history``."""

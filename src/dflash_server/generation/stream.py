@@ -139,7 +139,9 @@ def generate(
     prompt = list(request.prompt)
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
-    for i, commit in enumerate(decoder.generate(prompt, request.max_tokens, tokenizer.eos_token_ids)):
+    for i, commit in enumerate(
+        decoder.generate(prompt, request.max_tokens, tokenizer.eos_token_ids)
+    ):
         if i == 0:
             prompt_tps = len(prompt) / (time.perf_counter() - tic)
             tic = time.perf_counter()
