@@ -43,6 +43,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     stats: dict[str, Any] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
 
 
 @dataclass
