@@ -34,6 +34,7 @@ _SECTIONS = {
 SUBCOMMANDS = {
     "convert": ("dflash_server.tools.convert", "convert a drafter checkpoint (e.g. quantize it)"),
     "train": ("dflash_server.tools.train", "train or fine-tune a drafter on your target"),
+    "export": ("dflash_server.tools.export", "print the vLLM/SGLang command for a GPU server"),
 }
 
 
