@@ -18,8 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
-from dflash_server import stream_generate
-from server_fixtures import RunningServer, ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import (
+    RunningServer,
+    ScriptedGenerate,
+    build_draft,
+    make_app,
+    real_generate,
+    run_server,
+)
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(
@@ -68,13 +74,14 @@ class Generate:
         self.script = ScriptedGenerate(SCRIPT, delay=0.25)
         self.slow = ScriptedGenerate(["word "] * 300, delay=0.05)
 
-    def __call__(self, model: Any, draft: Any, tokenizer: Any, prompt: Any, **kw: Any) -> Any:
-        last_user = tokenizer.decode(list(prompt)).rsplit("<|im_start|>user", 1)[-1]
+    def __call__(self, models: Any, request: Any) -> Any:
+        prompt = models.tokenizer.decode(list(request.prompt))
+        last_user = prompt.rsplit("<|im_start|>user", 1)[-1]
         if "[script]" in last_user:
-            return self.script(model, draft, tokenizer, prompt, **kw)
+            return self.script(models, request)
         if "[slow]" in last_user:
-            return self.slow(model, draft, tokenizer, prompt, **kw)
-        return stream_generate(model, draft, tokenizer, prompt, **kw)
+            return self.slow(models, request)
+        return real_generate(models, request)
 
 
 @pytest.fixture(scope="module")
