@@ -266,6 +266,26 @@ def test_stop_cancels_the_request_on_the_server(
     page.close()
 
 
+def test_stats_view_cached_tokens_and_planned_token_tints(
+    browser: Any, server: RunningServer
+) -> None:
+    """What the server does not send yet: cached prompt tokens and the PLANNED dflash_tokens."""
+    page = Page(browser, server.base_url)
+    html = page.page.evaluate(
+        """async () => (await import('/web/views.js')).assistantHtml({
+            role: 'assistant', content: 'hi', reasoning: '', toolCalls: [],
+            usage: {completion_tokens: 3, prompt_tokens_details: {cached_tokens: 42}},
+            dflash: {tau: 2.5, block_size: 4, acceptance_histogram: [1, 0, 2, 0]},
+            tokens: [{text: 'h', source: 'draft'}, {text: '<i>', source: 'target'}],
+        })"""
+    )
+    assert "<dt>cached prompt</dt><dd>42</dd>" in html
+    assert '<span class="tok draft" title="draft">h</span>' in html
+    assert '<span class="tok target" title="target">&lt;i&gt;</span>' in html
+    assert html.count('class="bar"') == 4
+    page.close()
+
+
 @pytest.mark.parametrize("key", ["wrong-key", ""])
 def test_bad_api_key_shows_a_readable_error(browser: Any, server: RunningServer, key: str) -> None:
     page = Page(browser, server.base_url, width=390, height=844)  # narrow: settings start closed
