@@ -1,10 +1,12 @@
 """The DFlash drafter: a small block-diffusion model conditioned on the target's hidden states.
 
-One forward pass proposes a whole block. The block attends to itself bidirectionally and to the
-"context": features of the committed tokens, taken from the target's tapped layers and injected as
-extra keys/values in every draft layer (DFlash paper, "KV injection"). Parameter names mirror the
-published checkpoints (z-lab/Qwen3.5-*-DFlash), which carry no embedding and no lm_head: those are
-borrowed from the target with ``bind``.
+One forward pass proposes a whole block. The block attends to itself (bidirectionally unless the
+config says ``is_causal``) and to the "context": features of the committed tokens, taken from the
+target's tapped layers and injected as extra keys/values in every draft layer (DFlash paper, "KV
+injection"); sliding-window layers see context within ``sliding_window`` of each query only.
+Parameter names mirror the published checkpoints (z-lab/Qwen3.5-*-DFlash), which carry no
+embedding and no lm_head: those are borrowed from the target with ``bind``. DFlash2 builds on
+these modules (``dflash2.py``).
 """
 
 from __future__ import annotations
@@ -14,22 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 if TYPE_CHECKING:
     from dflash_server.generation.sampling import TokenSampler
 
-_REQUIRED_KEYS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "rms_norm_eps",
-    "max_position_embeddings",
-)
+_OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "is_causal": None,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "input_embedding_scale": 1.0,
+}
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -50,7 +47,7 @@ class DFlashConfig:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    vocab_size: int
+    vocab_size: int | None  # None (some assistant exports): the target's, checked at bind
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
@@ -61,6 +58,11 @@ class DFlashConfig:
     rope_scaling: dict[str, Any] | None = None
     layer_types: tuple[str, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    # None: the family's rule (DFlash: bidirectional block; DFlash2: causal on sliding layers).
+    is_causal: bool | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -79,56 +81,17 @@ class DFlashConfig:
             raise ValueError("drafter config: sliding_attention layers need 'sliding_window'")
         if self.block_size < 2:
             raise ValueError(f"drafter config: block_size must be >= 2, got {self.block_size}")
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise ValueError(
+                f"drafter config: sliding_window must be >= 2, not {self.sliding_window}"
+            )
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DFlashConfig:
         """Parse a drafter ``config.json`` (flat keys plus nested ``dflash_config``)."""
-        missing = [k for k in _REQUIRED_KEYS if k not in cfg]
-        if missing:
-            raise ValueError(
-                f"drafter config.json is missing required key(s): {', '.join(missing)}"
-            )
-        dflash = cfg.get("dflash_config") or {}
-        rope = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta"))
-        if rope_theta is None:
-            raise ValueError(
-                "drafter config.json is missing required key: rope_theta "
-                "(top level or rope_parameters.rope_theta)"
-            )
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
-            rope_scaling = rope
-        if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
-            raise ValueError("drafter config.json is missing dflash_config.mask_token_id")
-        num_target_layers = cfg.get("num_target_layers")
-        layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
-        if layer_ids is None:
-            if num_target_layers is None:
-                raise ValueError(
-                    "drafter config.json has neither dflash_config.target_layer_ids nor "
-                    "num_target_layers, so the tapped target layers are unknown"
-                )
-            layer_ids = default_target_layer_ids(num_target_layers, cfg["num_hidden_layers"])
-        return cls(
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg["rms_norm_eps"],
-            rope_theta=float(rope_theta),
-            max_position_embeddings=cfg["max_position_embeddings"],
-            block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
-            target_layer_ids=tuple(layer_ids),
-            num_target_layers=num_target_layers,
-            mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
-            rope_scaling=rope_scaling,
-            layer_types=tuple(cfg.get("layer_types") or ()),
-            sliding_window=cfg.get("sliding_window"),
-        )
+        from dflash_server.models.variants import dflash_kwargs
+
+        return cls(**dflash_kwargs(cfg))
 
     def to_dict(self) -> dict[str, Any]:
         """The HF-style ``config.json`` this config was (or could have been) read from."""
@@ -136,6 +99,9 @@ class DFlashConfig:
         dflash = {"target_layer_ids": list(out.pop("target_layer_ids"))}
         dflash["mask_token_id"] = out.pop("mask_token_id")
         out["layer_types"] = list(out["layer_types"])
+        for name, default in _OPTIONAL_DEFAULTS.items():  # published v1 configs omit these
+            if out.get(name) == default:
+                out.pop(name)
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -155,16 +121,78 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DFlashAttention(nn.Module):
-    """Queries from the block; keys/values from the cached context plus the block, no mask."""
+class ContextCache:
+    """One draft layer's context K/V (after RoPE): absolute positions ``offset - size .. offset-1``.
 
-    def __init__(self, config: DFlashConfig, layer_idx: int):
+    ``max_size`` keeps only the newest positions (a sliding layer keeps ``window - 1``: all that
+    block position 0 can see), so memory stays bounded. The buffer grows ``step`` positions at a
+    time like mlx-lm's ``KVCache``, so an append costs O(new positions), amortised.
+    """
+
+    step = 256
+
+    def __init__(self, max_size: int | None = None):
+        self.max_size = max_size
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0  # positions seen so far = absolute position of the next one
+        self._used = 0  # buffer rows written; the live ones are the last ``size`` of them
+
+    @property
+    def size(self) -> int:
+        return self._used if self.max_size is None else min(self._used, self.max_size)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def skip(self, n: int) -> None:
+        """Advance past ``n`` positions no query can see; the next append must refill the window."""
+        self.offset += n
+        self._used = 0
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        S = keys.shape[2]
+        self.offset += S
+        if self.keys is not None and self._used + S <= self.keys.shape[2]:
+            self.keys[..., self._used : self._used + S, :] = keys
+            self.values[..., self._used : self._used + S, :] = values
+            self._used += S
+            return
+        keep = self.size if self.max_size is None else max(0, min(self.size, self.max_size - S))
+        old = slice(self._used - keep, self._used)
+        ks = [keys] if keep == 0 else [self.keys[..., old, :], keys]
+        vs = [values] if keep == 0 else [self.values[..., old, :], values]
+        k, v = mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+        if self.max_size is not None:
+            k, v = k[..., -self.max_size :, :], v[..., -self.max_size :, :]
+        self._used = k.shape[2]
+        pad = [*k.shape[:2], self.step, k.shape[3]]
+        self.keys = mx.concatenate([k, mx.zeros(pad, k.dtype)], axis=2)
+        self.values = mx.concatenate([v, mx.zeros(pad, v.dtype)], axis=2)
+
+    def fetch(self) -> tuple[mx.array, mx.array] | None:
+        if self.keys is None or self.size == 0:
+            return None
+        live = slice(self._used - self.size, self._used)
+        return self.keys[..., live, :], self.values[..., live, :]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from the cached context plus the block.
+
+    ``causal`` masks later block positions; a sliding ``window`` hides keys ``window`` or more
+    positions away from a query (absolute positions). Neither set: no mask at all.
+    """
+
+    def __init__(self, config: DFlashConfig, layer_idx: int, causal: bool = False):
         super().__init__()
         dim, hd = config.hidden_size, config.head_dim
         self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.scale = hd**-0.5
         sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.window = config.sliding_window if sliding else None
+        self.causal = causal
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
@@ -175,109 +203,172 @@ class DFlashAttention(nn.Module):
             hd, config.rope_theta, False, config.rope_scaling, config.max_position_embeddings
         )
 
-    def _keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+    def make_cache(self) -> ContextCache:
+        return ContextCache(None if self.window is None else self.window - 1)
+
+    def _keys_values(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def append_context(self, context: mx.array, cache: KVCache) -> None:
+    def append_context(self, context: mx.array, cache: ContextCache) -> None:
         """Project committed positions once; only context K/V is ever cached."""
-        cache.update_and_fetch(*self._keys_values(context, cache.offset))
+        cache.append(*self._keys_values(context, cache.offset))
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def _mask(self, L: int, S: int) -> mx.array | None:
+        """[L, S + L] visibility, key index minus S = position relative to block start."""
+        far = self.window is not None and self.window <= S + L - 1
+        if not (self.causal or far):
+            return None
+        q = mx.arange(L)[:, None]
+        k = mx.arange(S + L)[None] - S
+        visible = mx.ones((L, S + L), dtype=mx.bool_)
+        if far:
+            visible = (q - k < self.window) & (k - q < self.window)
+        return visible & (k <= q) if self.causal else visible
+
+    def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=cache.offset)
-        k_blk, v_blk = self._keys_values(x, cache.offset)
-        if cache.keys is None:
-            keys, values = k_blk, v_blk
-        else:
-            start = 0 if self.window is None else max(0, cache.offset - (self.window - 1))
-            keys = mx.concatenate([cache.keys[..., start : cache.offset, :], k_blk], axis=2)
-            values = mx.concatenate([cache.values[..., start : cache.offset, :], v_blk], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=None)
+        keys, values = self._keys_values(x, cache.offset)
+        context = cache.fetch()
+        S = 0 if context is None else context[0].shape[2]
+        if context is not None:
+            keys = mx.concatenate([context[0], keys], axis=2)
+            values = mx.concatenate([context[1], values], axis=2)
+        mask = self._mask(L, S)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: DFlashConfig, layer_idx: int):
+    def __init__(self, config: DFlashConfig, layer_idx: int, causal: bool = False):
         super().__init__()
-        self.self_attn = DFlashAttention(config, layer_idx)
+        self.self_attn = DFlashAttention(config, layer_idx, causal)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class _BoundTarget:
-    """The target's embedding and head; a plain object so they never join the drafter's weights."""
+    """The target's embedding and head; a plain object so they never join the drafter's weights.
 
-    def __init__(self, embed_tokens: nn.Module, lm_head: Any):
+    Logits are ``head(h) * multiplier``, then ``cap * tanh(x / cap)`` when a softcap is set.
+    """
+
+    def __init__(self, embed_tokens: nn.Module, lm_head: Any, multiplier: float, cap: float | None):
         self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        self.multiplier, self.cap = multiplier, cap
+
+    def logits(self, h: mx.array) -> mx.array:
+        out = self.lm_head(h)
+        if self.multiplier != 1.0:
+            out = out * self.multiplier
+        return out if self.cap is None else self.cap * mx.tanh(out / self.cap)
 
 
 class DFlashDraftModel(nn.Module):
+    layer_class: type[nn.Module] = DFlashDecoderLayer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
         H = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
-        self.layers = [DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [
+            self.layer_class(config, i, self.layer_is_causal(i))
+            for i in range(config.num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self._bound: _BoundTarget | None = None
+
+    def layer_is_causal(self, i: int) -> bool:
+        """DFlash's block is bidirectional unless the config says ``is_causal: true``."""
+        return bool(self.config.is_causal)
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
     def bind(self, target: nn.Module) -> DFlashDraftModel:
-        """Borrow the target's embedding and lm_head after checking that the pair fits."""
+        """Borrow the target's embedding and lm_head after checking that the pair fits.
+
+        A config left at multiplier 1 without softcap takes the target's own logit scale (as the
+        reference does for "assistant" heads), so draft and target logits share one scale.
+        """
         from dflash_server.models.target_parts import find_target_parts
+        from dflash_server.models.variants import target_logit_scale
 
         parts = find_target_parts(target)
         check_pair(self.config, parts.hidden_size, parts.vocab_size, parts.num_layers)
-        self._bound = _BoundTarget(parts.embed_tokens, parts.lm_head)
+        scale = (self.config.output_multiplier, self.config.final_logit_softcapping)
+        if scale == (1.0, None):
+            scale = target_logit_scale(target) or scale
+        self._bound = _BoundTarget(parts.embed_tokens, parts.lm_head, *scale)
         return self
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list[ContextCache]:
+        return [layer.self_attn.make_cache() for layer in self.layers]
 
-    def append_context(self, target_hidden: mx.array, cache: list[KVCache]) -> None:
+    def append_context(self, target_hidden: mx.array, cache: list[ContextCache]) -> None:
         """Add committed positions' tapped features (``[B, S, L*H]``) to the context cache."""
+        windows = [layer.self_attn.window for layer in self.layers]
+        skipped = 0
+        if None not in windows and target_hidden.shape[1] > max(windows) - 1:
+            # Every layer slides: positions older than the widest window are never seen again.
+            skipped = target_hidden.shape[1] - (max(windows) - 1)
+            target_hidden = target_hidden[:, skipped:]
         context = self.hidden_norm(self.fc(target_hidden))
         for layer, c in zip(self.layers, cache):
+            if skipped:
+                c.skip(skipped)
             layer.self_attn.append_context(context, c)
+
+    def _bound_target(self) -> _BoundTarget:
+        if self._bound is None:
+            raise RuntimeError(f"{type(self).__name__}.bind(target) must be called before drafting")
+        return self._bound
+
+    def hidden_states(
+        self, block_ids: mx.array, target_hidden: mx.array | None, cache: list[ContextCache]
+    ) -> mx.array:
+        """Final-normed block states ``[1, B, H]``; new context taps are appended first."""
+        bound = self._bound_target()
+        if target_hidden is not None and target_hidden.shape[1] > 0:
+            self.append_context(target_hidden, cache)
+        h = bound.embed_tokens(block_ids)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
+        return self.norm(h)
 
     def __call__(
         self,
         block_ids: mx.array,
         target_hidden: mx.array | None,
-        cache: list[KVCache],
+        cache: list[ContextCache],
         logits_start: int = 0,
     ) -> mx.array:
         """Logits for a block; ``target_hidden`` holds the taps of positions new since last call.
 
         Row j >= 1 predicts the token at block position j (row 0 is the committed anchor).
         """
-        if self._bound is None:
-            raise RuntimeError("DFlashDraftModel.bind(target) must be called before drafting")
-        if target_hidden is not None and target_hidden.shape[1] > 0:
-            self.append_context(target_hidden, cache)
-        h = self._bound.embed_tokens(block_ids)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self._bound.lm_head(self.norm(h[:, logits_start:]))
+        h = self.hidden_states(block_ids, target_hidden, cache)
+        return self._bound_target().logits(h[:, logits_start:])
 
     def propose(
         self,
         block_ids: mx.array,
         target_hidden: mx.array | None,
-        cache: list[KVCache],
+        cache: list[ContextCache],
         sampler: TokenSampler,
         history: mx.array | None,
     ) -> tuple[mx.array, mx.array | None]:
@@ -296,7 +387,7 @@ def check_pair(config: DFlashConfig, hidden_size: int, vocab_size: int, num_laye
         problems.append(
             f"mask_token_id {config.mask_token_id} outside the target's {vocab_size} rows"
         )
-    if config.vocab_size != vocab_size:
+    if config.vocab_size is not None and config.vocab_size != vocab_size:
         problems.append(f"vocab_size {config.vocab_size} != target's {vocab_size}")
     bad = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
     if bad:

@@ -40,21 +40,29 @@ def sample_anchors(rng_uniform: mx.array, seq_len: int, block_size: int) -> mx.a
     return (1 + mx.floor(rng_uniform * high)).astype(mx.int32)
 
 
-def block_attention_mask(anchors: mx.array, seq_len: int, block_size: int, window: int | None):
+def block_attention_mask(
+    anchors: mx.array, seq_len: int, block_size: int, window: int | None, causal: bool = False
+) -> mx.array:
     """Boolean ``[N, 1, K*B, T + K*B]``: block k sees context ``< a_k`` and its own B keys.
 
-    A sliding-window layer at inference keeps context positions ``>= a - (window - 1)``.
+    As at inference, a sliding window hides keys ``window`` or more positions from the query
+    (row j of block k sits at ``a_k + j``), and a causal layer hides later block positions.
     """
     N, K = anchors.shape
     rows_anchor = mx.repeat(anchors, block_size, axis=1)[:, :, None]  # [N, K*B, 1]
+    j = mx.tile(mx.arange(block_size), K)  # row offset inside its block
     ctx_pos = mx.arange(seq_len)[None, None, :]
     ctx_ok = ctx_pos < rows_anchor
     if window is not None:
-        ctx_ok = ctx_ok & (ctx_pos >= rows_anchor - (window - 1))
+        ctx_ok = ctx_ok & (rows_anchor + j[None, :, None] - ctx_pos < window)
     block_id = mx.arange(K * block_size) // block_size
-    own = mx.broadcast_to(
-        block_id[:, None] == block_id[None, :], (N, K * block_size, K * block_size)
-    )
+    own = block_id[:, None] == block_id[None, :]
+    gap = j[:, None] - j[None, :]  # query row minus key row, same block
+    if window is not None:
+        own = own & (mx.abs(gap) < window)
+    if causal:
+        own = own & (gap >= 0)
+    own = mx.broadcast_to(own, (N, K * block_size, K * block_size))
     return mx.concatenate([ctx_ok, own], axis=-1)[:, None]
 
 
@@ -96,13 +104,14 @@ def draft_hidden(
     K = anchors.shape[1]
     B = block_embeds.shape[1] // K
     context = draft.hidden_norm(draft.fc(taps))
-    masks: dict[int | None, mx.array] = {}
+    masks: dict[tuple[int | None, bool], mx.array] = {}
     h = block_embeds
     for layer in draft.layers:
         attn = layer.self_attn
-        if attn.window not in masks:
-            masks[attn.window] = block_attention_mask(anchors, T, B, attn.window)
-        h = h + _attention(attn, layer.input_layernorm(h), context, anchors, masks[attn.window])
+        kind = (attn.window, attn.causal)
+        if kind not in masks:
+            masks[kind] = block_attention_mask(anchors, T, B, *kind)
+        h = h + _attention(attn, layer.input_layernorm(h), context, anchors, masks[kind])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return draft.norm(h).reshape(N, K, B, -1)
 
@@ -130,7 +139,7 @@ def draft_logits(draft: DFlashDraftModel, tokens: mx.array, taps: mx.array, anch
     B = draft.config.block_size
     ids = block_ids(tokens, anchors, B, draft.config.mask_token_id)
     h = draft_hidden(draft, bound.embed_tokens(ids), taps, anchors)
-    return bound.lm_head(h[:, :, 1:])
+    return bound.logits(h[:, :, 1:])
 
 
 def position_weights(block_size: int, gamma: float | None) -> mx.array:

@@ -1,0 +1,128 @@
+"""``config.json`` parsing for every drafter family the loader knows.
+
+Each parser returns the keyword arguments of its config dataclass and raises a ValueError naming
+the first missing key. Layouts seen in the wild:
+
+* DFlash (``DFlashDraftModel``): flat model keys plus ``dflash_config`` (taps, mask id, sometimes
+  ``block_size``); theta at the top level or in ``rope_parameters``; optional sliding layers.
+* DFlash2 (``DFlash2DraftModel``): the same plus conv/selector keys inside ``dflash_config``.
+* "assistant" exports (``*AssistantModel``, e.g. Muse-Glimmer-30B-assistant): DFlash weights
+  under other names and a flat config (``block_size``, ``mask_token_id``, ``target_layer_ids`` at
+  the top level, often no ``vocab_size``); their sliding layers still run bidirectionally.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REQUIRED_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def softcap(value: Any) -> float | None:
+    """``final_logit_softcapping``: a positive cap, or None (absent, null or 0 all mean off)."""
+    return float(value) if value is not None and float(value) > 0 else None
+
+
+def target_logit_scale(target: Any) -> tuple[float, float | None] | None:
+    """The target's own ``(output_multiplier, final_logit_softcapping)``, if its args carry one."""
+    args = getattr(getattr(target, "language_model", target), "args", None)
+    multiplier = getattr(args, "output_multiplier", None)
+    if multiplier is None:
+        return None
+    return float(multiplier), softcap(getattr(args, "final_logit_softcapping", None))
+
+
+def _missing(cfg: dict[str, Any], keys: tuple[str, ...], where: str = "") -> None:
+    missing = [k for k in keys if k not in cfg]
+    if missing:
+        raise ValueError(
+            f"drafter config.json is missing required key(s): "
+            f"{', '.join(where + k for k in missing)}"
+        )
+
+
+def dflash_kwargs(cfg: dict[str, Any], *, need_vocab: bool = True) -> dict[str, Any]:
+    """The keys every family shares (``DFlashConfig``'s fields), from a raw ``config.json``."""
+    from dflash_server.models.drafter import default_target_layer_ids
+
+    _missing(cfg, tuple(k for k in _REQUIRED_KEYS if need_vocab or k != "vocab_size"))
+    dflash = cfg.get("dflash_config") or {}
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta"))
+    if rope_theta is None:
+        raise ValueError(
+            "drafter config.json is missing required key: rope_theta "
+            "(top level or rope_parameters.rope_theta)"
+        )
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+        rope_scaling = rope
+    if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
+        raise ValueError("drafter config.json is missing dflash_config.mask_token_id")
+    num_target_layers = cfg.get("num_target_layers")
+    layer_ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if layer_ids is None:
+        if num_target_layers is None:
+            raise ValueError(
+                "drafter config.json has neither dflash_config.target_layer_ids nor "
+                "num_target_layers, so the tapped target layers are unknown"
+            )
+        layer_ids = default_target_layer_ids(num_target_layers, cfg["num_hidden_layers"])
+
+    def key(name: str, default: Any = None) -> Any:  # dflash_config first, then the top level
+        return dflash.get(name, cfg.get(name, default))
+
+    return dict(
+        hidden_size=cfg["hidden_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg.get("vocab_size"),
+        rms_norm_eps=cfg["rms_norm_eps"],
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg["max_position_embeddings"],
+        block_size=int(key("block_size", 16)),
+        target_layer_ids=tuple(layer_ids),
+        num_target_layers=num_target_layers,
+        mask_token_id=int(key("mask_token_id")),
+        rope_scaling=rope_scaling,
+        layer_types=tuple(cfg.get("layer_types") or ()),
+        sliding_window=cfg.get("sliding_window"),
+        is_causal=None if cfg.get("is_causal") is None else bool(cfg["is_causal"]),
+        output_multiplier=float(key("output_multiplier", 1.0)),
+        final_logit_softcapping=softcap(key("final_logit_softcapping")),
+        input_embedding_scale=float(key("input_embedding_scale", 1.0)),
+    )
+
+
+def assistant_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An "assistant" export: flat keys, vocab optional (checked against the target's at bind),
+    always bidirectional in the block whatever its ``layer_types`` say (the reference forces it)."""
+    for name in ("mask_token_id", "target_layer_ids"):
+        if name not in cfg and name not in (cfg.get("dflash_config") or {}):
+            raise ValueError(f"assistant drafter config.json is missing required key: {name}")
+    return {**dflash_kwargs(cfg, need_vocab=False), "is_causal": False}
+
+
+def dflash2_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DFlash2's extra keys, all inside ``dflash_config``; ``block_size`` is required there or at
+    the top level (published DFlash2 drafters use 8 or 16, so no default is safe)."""
+    dflash = cfg.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise ValueError("DFlash2 drafter config.json is missing required key: dflash_config")
+    _missing(dflash, DFLASH2_KEYS, "dflash_config.")
+    if "block_size" not in dflash and "block_size" not in cfg:
+        raise ValueError("DFlash2 drafter config.json is missing required key: block_size")
+    return {**dflash_kwargs(cfg), **{k: int(dflash[k]) for k in DFLASH2_KEYS}}
