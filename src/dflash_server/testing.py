@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dflash_server.models.dflash2 import DFlash2DraftModel
     from dflash_server.models.drafter import DFlashDraftModel
 
 ARCHES = ("qwen3_5", "qwen3_5_moe", "qwen3", "llama")
@@ -328,6 +329,68 @@ def random_drafter(
     return draft.bind(model)
 
 
+def random_dflash2_drafter(
+    model: Any,
+    *,
+    block_size: int = 8,
+    num_layers: int = 2,
+    sliding_window: int | None = 2048,
+    top_k: int = 8,
+    rank: int = 16,
+    seed: int = 0,
+) -> DFlash2DraftModel:
+    """A random DFlash2 drafter sized to ``model`` and bound to it (published layout, tiny sizes).
+
+    Layers slide like the published ones (``sliding_window=None``: full attention), the block is
+    bidirectional (``is_causal: false``); the conv kernels start near identity (tap 0 = 1 plus
+    noise) and the codebooks are small random matrices, so every DFlash2 part shapes the output.
+    """
+    import mlx.core as mx
+
+    from dflash_server.models.dflash2 import DFlash2Config, DFlash2DraftModel
+    from dflash_server.models.target_parts import find_target_parts
+
+    parts = find_target_parts(model)
+    n, H = parts.num_layers, parts.hidden_size
+    mx.random.seed(seed)
+    kind = "full_attention" if sliding_window is None else "sliding_attention"
+    config = DFlash2Config(
+        hidden_size=H,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=2 * H,
+        vocab_size=parts.vocab_size,
+        rms_norm_eps=1e-6,
+        rope_theta=1e7,
+        max_position_embeddings=32768,
+        block_size=block_size,
+        target_layer_ids=tuple(sorted({min(1, n - 1), n // 2, n - 1})),
+        num_target_layers=n,
+        mask_token_id=parts.vocab_size - 1,
+        layer_types=(kind,) * num_layers,
+        sliding_window=sliding_window,
+        is_causal=False,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=rank,
+        selector_top_k=top_k,
+    )
+    draft = DFlash2DraftModel(config)
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            base = 0.1 * mx.random.normal(conv.base_kernel.shape)
+            conv.base_kernel = base + (mx.arange(conv.kernel_size) == 0)[None, :, None]
+            conv.kernel_projection.weight = 0.05 * conv.kernel_projection.weight
+    selector = draft.candidate_selector
+    shape = selector.predecessor_codebook.shape
+    selector.predecessor_codebook = mx.random.normal(shape)
+    selector.successor_codebook = mx.random.normal(shape)
+    mx.eval(draft.parameters())
+    return draft.bind(model)
+
+
 class ReplayDrafter:
     """Test double: drafts the target's own future tokens, with planted mistakes.
 
@@ -351,7 +414,9 @@ class ReplayDrafter:
     def make_cache(self) -> list[Any]:
         return self.inner.make_cache()
 
-    def propose(self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any):
+    def propose(
+        self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any
+    ):
         """The drafter contract (see ``DFlashDraftModel.propose``) over the planted logits."""
         return sampler.propose(self(block_ids, target_hidden, cache, logits_start=1)[0], history)
 

@@ -1,8 +1,14 @@
-"""Load targets (through mlx-lm) and DFlash drafters from a local folder or a hub repo."""
+"""Load targets (through mlx-lm) and drafters from a local folder or a hub repo.
+
+Drafters are dispatched on ``config.json``'s ``architectures``: DFlash, DFlash2 and "assistant"
+exports (see ``variants``); each family may rename checkpoint keys before a strict load.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +17,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import infer_quant_config
 
+from dflash_server.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash_server.models.variants import assistant_kwargs
 
 _DRAFT_PATTERNS = ["*.safetensors", "*.json"]
 
@@ -35,24 +43,104 @@ def load(path_or_repo: str | Path, **kwargs: Any) -> tuple[nn.Module, Any]:
     return mlx_lm_load(str(path_or_repo), **kwargs)
 
 
+@dataclass(frozen=True)
+class DrafterFamily:
+    """How one published layout maps onto a model class: config parser and key remapping."""
+
+    name: str
+    model_class: type[DFlashDraftModel]
+    parse: Callable[[dict[str, Any]], DFlashConfig]
+    remap: Callable[[dict[str, mx.array], dict[str, Any]], dict[str, mx.array]]
+
+
+def _same(weights: dict[str, mx.array], raw: dict[str, Any]) -> dict[str, mx.array]:
+    return weights
+
+
+def _remap_assistant(weights: dict[str, mx.array], raw: dict[str, Any]) -> dict[str, mx.array]:
+    """``encoder.fc.*`` -> ``fc.*``, ``encoder.output_norm_enc.*`` -> ``hidden_norm.*``."""
+    prefixes = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+    out = {}
+    for k, v in weights.items():
+        for old, new in prefixes.items():
+            if k.startswith(old):
+                k = new + k[len(old) :]
+                break
+        out[k] = v
+    return out
+
+
+def _remap_dflash2(weights: dict[str, mx.array], raw: dict[str, Any]) -> dict[str, mx.array]:
+    """Codebooks are stored bare (``candidate_selector.predecessor_codebook``), as the model
+    names them; MLX exports built on an Embedding spell them ``.weight``, possibly packed."""
+    out = dict(weights)
+    for name in ("predecessor_codebook", "successor_codebook"):
+        key = f"candidate_selector.{name}"
+        if f"{key}.weight" not in out:
+            continue
+        if key in out:
+            raise ValueError(f"drafter weights hold both {key} and {key}.weight")
+        weight = out.pop(f"{key}.weight")
+        if f"{key}.scales" in out:  # kept in higher precision here: unpack once at load
+            scales, biases = out.pop(f"{key}.scales"), out.pop(f"{key}.biases", None)
+            if biases is None or scales.dtype == mx.uint8:
+                raise ValueError(f"{key}: only affine-quantized codebooks can be loaded")
+            rank = int(raw["dflash_config"]["selector_rank"])
+            group, bits = rank // scales.shape[-1], weight.shape[-1] * 32 // rank
+            weight = mx.dequantize(weight, scales, biases, group, bits)
+        out[key] = weight
+    return out
+
+
+FAMILIES: dict[str, DrafterFamily] = {
+    "DFlashDraftModel": DrafterFamily("DFlash", DFlashDraftModel, DFlashConfig.from_dict, _same),
+    "DFlash2DraftModel": DrafterFamily(
+        "DFlash2", DFlash2DraftModel, DFlash2Config.from_dict, _remap_dflash2
+    ),
+}
+_ASSISTANT = DrafterFamily(
+    "assistant", DFlashDraftModel, lambda c: DFlashConfig(**assistant_kwargs(c)), _remap_assistant
+)
+
+
+def drafter_family(raw: dict[str, Any]) -> DrafterFamily:
+    """The family a ``config.json`` declares (``architectures[0]``); unknown ones are refused.
+
+    No ``architectures`` key: a DFlash (v1) export, as older ones were written.
+    """
+    arch = (raw.get("architectures") or ["DFlashDraftModel"])[0]
+    if arch in FAMILIES:
+        return FAMILIES[arch]
+    if isinstance(arch, str) and arch.endswith("AssistantModel"):
+        return _ASSISTANT
+    known = ", ".join([*FAMILIES, "*AssistantModel (DFlash weights under encoder.* names)"])
+    raise ValueError(
+        f"unsupported drafter architecture {arch!r} (config.json 'architectures'); "
+        f"this server loads: {known}"
+    )
+
+
 def load_draft(path_or_repo: str | Path, target: nn.Module | None = None) -> DFlashDraftModel:
-    """Load a DFlash drafter unmodified; quantized MLX exports included. Binds ``target`` if given."""
+    """Load a drafter unmodified (DFlash, DFlash2 or an "assistant" export; MLX-quantized
+    exports included). Binds ``target`` if given."""
     path = resolve_model_path(path_or_repo, _DRAFT_PATTERNS)
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"no config.json in {path}: is this a DFlash drafter folder?")
     raw = json.loads(config_file.read_text())
-    config = DFlashConfig.from_dict(raw)
+    family = drafter_family(raw)
+    config = family.parse(raw)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     weights: dict[str, mx.array] = {}
     for f in files:
         weights.update(mx.load(str(f)))
-    model = DFlashDraftModel(config)
+    weights = family.remap(weights, raw)
+    model = family.model_class(config)
     if (quantization := raw.get("quantization")) is not None:
         quantize_like_checkpoint(model, quantization, weights)
-    load_weights_strict(model, weights, source=str(path))
+    load_weights_strict(model, weights, source=f"{path} ({family.name} layout)")
     model.eval()
     mx.eval(model.parameters())
     if target is not None:
@@ -101,6 +189,6 @@ def load_weights_strict(model: nn.Module, weights: dict[str, mx.array], source: 
             parts.append(f"wrong shape: {'; '.join(shapes[:4])}")
         raise ValueError(
             f"drafter weights in {source} do not match its config.json ({' | '.join(parts)}). "
-            "Is this a DFlash drafter checkpoint, with a config.json from the same export?"
+            "Is this a drafter checkpoint, with a config.json from the same export?"
         )
     model.load_weights(list(weights.items()), strict=True)

@@ -84,6 +84,21 @@ def fresh_config(args: argparse.Namespace, model: nn.Module, tokenizer: Any) -> 
     return cfg
 
 
+def refuse_unsupported(config: dict[str, Any], where: str) -> None:
+    """Training covers DFlash (v1) drafters only; say why for the other families."""
+    arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
+    if arch == "DFlash2DraftModel":
+        raise ValueError(
+            f"{where}: cannot train a DFlash2 drafter. The batched training forward implements "
+            "DFlash's layers only (not DFlash2's dynamic convolutions), and the candidate "
+            "selector's codebooks have no published training objective; training only part of "
+            "the model would silently change what the selector expects. Train a DFlash "
+            "(DFlashDraftModel) drafter instead."
+        )
+    if arch != "DFlashDraftModel":
+        raise ValueError(f"{where}: training supports DFlashDraftModel drafters, not {arch!r}")
+
+
 def init_drafter(
     args: argparse.Namespace, model: nn.Module, tokenizer: Any
 ) -> tuple[DFlashDraftModel, dict[str, Any], str]:
@@ -94,6 +109,7 @@ def init_drafter(
     if args.init == "new" or is_json:
         try:
             config = fresh_config(args, model, tokenizer)
+            refuse_unsupported(config, f"--init {args.init}")
             draft = DFlashDraftModel(DFlashConfig.from_dict(config))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad drafter config: {exc}") from None
@@ -105,6 +121,7 @@ def init_drafter(
     else:
         path = resolve_model_path(args.init, ["*.safetensors", "*.json"])
         config = json.loads((path / "config.json").read_text())
+        refuse_unsupported(config, f"--init {args.init}")
         for key in ("quantization", "quantization_config"):
             config.pop(key, None)  # trained in float: the result is saved unquantized
         draft = load_draft(path)

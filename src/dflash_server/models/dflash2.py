@@ -1,0 +1,227 @@
+"""DFlash2 drafters: DFlash plus dynamic convolutions and a Markov candidate selector.
+
+Same context path as DFlash (``hidden_norm(fc(taps))`` injected as keys/values, a context-only
+cache), with two additions (z-lab's DFlash2, e.g. Qwen3.8-27B-DFlash2, Muse-Glimmer-30B-DFlash2):
+
+* every sublayer (attention, MLP) is wrapped in a causal grouped *dynamic convolution* over block
+  positions: ``prepare`` convolves the normed input with ``base_kernel[0]`` plus per-position
+  coefficients projected from that input, ``finish`` convolves the sublayer output with
+  ``base_kernel[1]`` plus the second half of those coefficients;
+* a *candidate selector* replaces argmax over the logits: the top-k tokens of each block row are
+  re-scored by ``<predecessor[prev] * hidden_projection(h), successor[candidate]>`` and walked
+  left to right from the anchor token, still inside the one drafter pass.
+
+Parameter names are the published checkpoints' (81 tensors for 5 layers). The two codebooks are
+plain ``[V, r]`` matrices named without ``.weight``, exactly as stored; the loader maps the
+``.weight`` spelling some MLX exports use back onto them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from dflash_server.models.drafter import (
+    ContextCache,
+    DFlashConfig,
+    DFlashDecoderLayer,
+    DFlashDraftModel,
+)
+
+if TYPE_CHECKING:
+    from dflash_server.generation.sampling import TokenSampler
+
+# Kept in higher precision by ``quant_predicate``: the conv projections set multiplicative
+# per-position kernels, the selector's scores add to logits; together ~5 % of a layer's weights.
+HIGH_PRECISION = ("attention_conv", "mlp_conv", "candidate_selector")
+
+
+@dataclass
+class DFlash2Config(DFlashConfig):
+    """DFlash's fields plus the DFlash2 keys of ``dflash_config`` (published: 2, 16, 256, 16)."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        problems = []
+        if self.conv_kernel_size < 1:
+            problems.append(f"conv_kernel_size must be >= 1, got {self.conv_kernel_size}")
+        if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            problems.append(
+                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}"
+            )
+        if self.selector_rank < 1:
+            problems.append(f"selector_rank must be >= 1, got {self.selector_rank}")
+        if not 1 <= self.selector_top_k <= (self.vocab_size or self.selector_top_k):
+            problems.append(f"selector_top_k must be in [1, vocab_size], got {self.selector_top_k}")
+        if problems:
+            raise ValueError("DFlash2 drafter config: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> DFlash2Config:
+        """Parse a DFlash2 ``config.json``; a missing key raises a ValueError naming it."""
+        from dflash_server.models.variants import dflash2_kwargs
+
+        return cls(**dflash2_kwargs(cfg))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The published DFlash2 layout: block, conv, selector and logit keys in dflash_config."""
+        out = super().to_dict()
+        out["architectures"] = ["DFlash2DraftModel"]
+        dflash = out.pop("dflash_config")
+        dflash["block_size"] = out.pop("block_size")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            dflash[key] = out.pop(key)
+        for key in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
+            if key in out:
+                dflash[key] = out.pop(key)
+        return {**out, "dflash_config": dflash}
+
+
+class GroupedDynamicConv(nn.Module):
+    """Causal grouped dynamic convolution over block positions.
+
+    Output at t is ``sum_o (base_kernel[side, o] + coef[t, o, group]) * x[t - o]``: one learned
+    kernel per channel, plus one coefficient per position, tap and group of ``group_size``
+    channels; taps before the block start see zeros (the block never convolves its context).
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = mx.zeros((2, kernel_size, hidden_size))  # side 0: prepare, 1: finish
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def _convolve(self, x: mx.array, coef: mx.array, side: int) -> mx.array:
+        B, L, H = x.shape
+        blocks = x.reshape(B, L, self.groups, self.group_size)
+        out = mx.zeros_like(blocks)
+        for o in range(min(self.kernel_size, L)):
+            shifted = blocks if o == 0 else mx.pad(blocks[:, :-o], [(0, 0), (o, 0), (0, 0), (0, 0)])
+            base = self.base_kernel[side, o].reshape(self.groups, self.group_size)
+            out = out + (base.astype(x.dtype) + coef[:, :, o, :, None]) * shifted
+        return out.reshape(B, L, H)
+
+    def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Convolve the normed sublayer input; return it and the coefficients ``finish`` needs."""
+        B, L, _ = x.shape
+        coef = self.kernel_projection(x).reshape(B, L, 2, self.kernel_size, self.groups)
+        return self._convolve(x, coef[:, :, 0], 0), coef[:, :, 1]
+
+    def finish(self, x: mx.array, coef: mx.array) -> mx.array:
+        return self._convolve(x, coef, 1)
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    def __init__(self, config: DFlash2Config, layer_idx: int, causal: bool = False):
+        super().__init__(config, layer_idx, causal)
+        args = (config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+        self.attention_conv = GroupedDynamicConv(*args)
+        self.mlp_conv = GroupedDynamicConv(*args)
+
+    def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
+        h, coef = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, cache), coef)
+        h, coef = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), coef)
+
+
+class CandidateSelector(nn.Module):
+    """Top-k candidates per block row, re-scored by a first-order Markov term, walked left to right.
+
+    Score of candidate c after the chosen token p at row i:
+    ``logit_i(c) + <predecessor_codebook[p] * hidden_projection(h_i), successor_codebook[c]>``.
+    """
+
+    def __init__(self, config: DFlash2Config):
+        super().__init__()
+        V, r = config.vocab_size or 0, config.selector_rank
+        self.top_k = config.selector_top_k
+        self.predecessor_codebook = mx.zeros((V, r))
+        self.successor_codebook = mx.zeros((V, r))
+        self.hidden_projection = nn.Linear(config.hidden_size, r, bias=False)
+
+    def propose(
+        self, hidden: mx.array, logits: mx.array, anchor: mx.array, sampler: TokenSampler
+    ) -> tuple[mx.array, mx.array | None]:
+        """Drafts for rows 1..N (``hidden [N, H]``, processed ``logits [N, V]``) from ``anchor``.
+
+        Greedy: the best-scoring candidate per row. Sampling: each row draws from
+        ``sampler.logprobs`` over its candidates' scores; ``log_q [N, V]`` is that law (-inf
+        outside the candidates), as rejection sampling needs.
+        """
+        N, K = logits.shape[0], min(self.top_k, logits.shape[-1])
+        candidates = mx.argpartition(-logits, K - 1, axis=-1)[:, :K]
+        unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
+        projected = self.hidden_projection(hidden).astype(mx.float32)
+        successors = self.successor_codebook[candidates].astype(mx.float32)  # [N, K, r]
+        greedy = sampler.params.greedy or sampler.custom is not None
+        keys = None if greedy else mx.random.split(sampler.next_key(), N)
+        previous, path, rows = anchor, [], []
+        for i in range(N):
+            query = self.predecessor_codebook[previous].astype(mx.float32) * projected[i]
+            scores = unary[i] + successors[i] @ query
+            if greedy:
+                choice = mx.argmax(scores)
+            else:
+                log_q = sampler.logprobs(scores[None])[0]
+                choice = mx.random.categorical(log_q, key=keys[i])
+                rows.append(log_q)
+            previous = candidates[i, choice]
+            path.append(previous)
+        drafts = mx.stack(path)
+        if greedy:
+            return drafts, None
+        log_q = mx.full(logits.shape, -mx.inf, dtype=mx.float32)
+        return drafts, mx.put_along_axis(log_q, candidates, mx.stack(rows), axis=-1)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """A DFlash2 drafter; ``propose`` runs the layers and the selector in one lazy graph."""
+
+    layer_class = DFlash2DecoderLayer
+
+    def __init__(self, config: DFlash2Config):
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(config)
+
+    def layer_is_causal(self, i: int) -> bool:
+        """``is_causal`` when the config has it, else the DFlash2 reference's rule: a sliding
+        layer is causal in the block, a full one bidirectional (published configs say false)."""
+        if self.config.is_causal is not None:
+            return self.config.is_causal
+        return self.config.layer_types[i] == "sliding_attention"
+
+    def quant_predicate(self, path: str, module: nn.Module) -> bool:
+        """mlx-lm's hook (``quantize_model`` reads it): leave the conv and selector parts alone."""
+        return not any(part in path.split(".") for part in HIGH_PRECISION)
+
+    def bind(self, target: nn.Module) -> DFlash2DraftModel:
+        super().bind(target)
+        rows = self.candidate_selector.predecessor_codebook.shape[0]
+        if rows < self.candidate_selector.top_k:
+            raise ValueError(f"DFlash2 codebooks have {rows} rows, fewer than selector_top_k")
+        return self
+
+    def propose(
+        self,
+        block_ids: mx.array,
+        target_hidden: mx.array | None,
+        cache: list[ContextCache],
+        sampler: TokenSampler,
+        history: mx.array | None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """The drafter contract (see ``DFlashDraftModel.propose``) through the selector."""
+        h = self.hidden_states(block_ids, target_hidden, cache)[0, 1:]
+        logits = self._bound_target().logits(h)
+        if history is not None and sampler.processors:
+            logits = sampler.process(logits, history)  # penalties, as the target's rows get them
+        return self.candidate_selector.propose(h, logits, block_ids[0, 0], sampler)
