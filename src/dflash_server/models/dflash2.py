@@ -161,23 +161,26 @@ class CandidateSelector(nn.Module):
         N, K = logits.shape[0], min(self.top_k, logits.shape[-1])
         candidates = mx.argpartition(-logits, K - 1, axis=-1)[:, :K]
         unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
-        projected = self.hidden_projection(hidden).astype(mx.float32)
+        projected = self.hidden_projection(hidden).astype(mx.float32)  # [N, r]
         successors = self.successor_codebook[candidates].astype(mx.float32)  # [N, K, r]
+        # All Markov terms in two batched ops, so the walk is only gathers and argmax/draws:
+        # row 0 from the anchor, then [N-1, K, K] from each candidate of row i-1 to row i's.
+        first = unary[0] + successors[0] @ (self.predecessor_codebook[anchor] * projected[0])
+        before = self.predecessor_codebook[candidates[:-1]].astype(mx.float32)
+        edges = (before * projected[1:, None]) @ successors[1:].transpose(0, 2, 1)
         greedy = sampler.params.greedy or sampler.custom is not None
         keys = None if greedy else mx.random.split(sampler.next_key(), N)
-        previous, path, rows = anchor, [], []
+        scores, picks, rows = first, [], []
         for i in range(N):
-            query = self.predecessor_codebook[previous].astype(mx.float32) * projected[i]
-            scores = unary[i] + successors[i] @ query
+            if i > 0:
+                scores = unary[i] + mx.take(edges[i - 1], picks[-1], axis=0)
             if greedy:
-                choice = mx.argmax(scores)
+                picks.append(mx.argmax(scores))
             else:
-                log_q = sampler.logprobs(scores[None])[0]
-                choice = mx.random.categorical(log_q, key=keys[i])
-                rows.append(log_q)
-            previous = candidates[i, choice]
-            path.append(previous)
-        drafts = mx.stack(path)
+                rows.append(sampler.logprobs(scores[None])[0])
+                picks.append(mx.random.categorical(rows[-1], key=keys[i]))
+        chosen = mx.stack(picks)[:, None]
+        drafts = mx.take_along_axis(candidates, chosen, axis=-1)[:, 0]
         if greedy:
             return drafts, None
         log_q = mx.full(logits.shape, -mx.inf, dtype=mx.float32)
