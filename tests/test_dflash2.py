@@ -283,7 +283,7 @@ def test_save_load_round_trip(tiny_hybrid, tmp_path):
     model, _ = tiny_hybrid
     draft = random_dflash2_drafter(model, block_size=6)
     loaded = load_draft(save(draft, tmp_path / "d"), target=model)
-    assert isinstance(loaded, DFlash2DraftModel)
+    assert isinstance(loaded, DFlash2DraftModel) and loaded.family == "DFlash2"
     assert mx.allclose(
         logits_after(draft, [7], block_of(draft)), logits_after(loaded, [7], block_of(draft))
     )

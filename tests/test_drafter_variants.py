@@ -130,6 +130,7 @@ def test_assistant_export_loads_and_decodes(tiny_hybrid, tmp_path):
     draft = sliding_drafter(model)
     loaded = load_draft(save_assistant(draft, tmp_path / "a"), target=model)
     assert type(loaded) is DFlashDraftModel and loaded.config.is_causal is False
+    assert loaded.family == "assistant"
     assert mx.allclose(logits(loaded, model), logits(draft, model), atol=1e-5).item()
     ids = tokenizer.encode("The quick brown fox")
     plain = [
@@ -217,3 +218,13 @@ def test_unknown_architecture_is_refused(tmp_path):
         ValueError, match=r"'Eagle3DraftModel'.*DFlashDraftModel, DFlash2DraftModel"
     ):
         load_draft(path)
+
+
+def test_causal_key_spellings():
+    from test_drafter import PUBLISHED_4B
+
+    cfg = json.loads(json.dumps(PUBLISHED_4B))
+    cfg["dflash_config"]["causal"] = True  # as some converters write it
+    assert DFlashConfig.from_dict(cfg).is_causal is True
+    cfg["is_causal"] = False  # the HF key wins
+    assert DFlashConfig.from_dict(cfg).is_causal is False

@@ -191,6 +191,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     """A DFlash2 drafter; ``propose`` runs the layers and the selector in one lazy graph."""
 
     layer_class = DFlash2DecoderLayer
+    family = "DFlash2"
 
     def __init__(self, config: DFlash2Config):
         super().__init__(config)

@@ -275,6 +275,7 @@ class _BoundTarget:
 
 class DFlashDraftModel(nn.Module):
     layer_class: type[nn.Module] = DFlashDecoderLayer
+    family = "DFlash"  # the checkpoint layout it came from; load_draft sets it (e.g. "assistant")
 
     def __init__(self, config: DFlashConfig):
         super().__init__()

@@ -138,6 +138,7 @@ def load_draft(path_or_repo: str | Path, target: nn.Module | None = None) -> DFl
         weights.update(mx.load(str(f)))
     weights = family.remap(weights, raw)
     model = family.model_class(config)
+    model.family = family.name
     if (quantization := raw.get("quantization")) is not None:
         quantize_like_checkpoint(model, quantization, weights)
     load_weights_strict(model, weights, source=f"{path} ({family.name} layout)")

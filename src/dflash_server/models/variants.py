@@ -82,6 +82,9 @@ def dflash_kwargs(cfg: dict[str, Any], *, need_vocab: bool = True) -> dict[str, 
     def key(name: str, default: Any = None) -> Any:  # dflash_config first, then the top level
         return dflash.get(name, cfg.get(name, default))
 
+    # Top-level ``is_causal`` (HF configs); some converters write ``dflash_config.causal``.
+    causal = cfg.get("is_causal", dflash.get("is_causal", dflash.get("causal")))
+
     return dict(
         hidden_size=cfg["hidden_size"],
         num_hidden_layers=cfg["num_hidden_layers"],
@@ -100,7 +103,7 @@ def dflash_kwargs(cfg: dict[str, Any], *, need_vocab: bool = True) -> dict[str, 
         rope_scaling=rope_scaling,
         layer_types=tuple(cfg.get("layer_types") or ()),
         sliding_window=cfg.get("sliding_window"),
-        is_causal=None if cfg.get("is_causal") is None else bool(cfg["is_causal"]),
+        is_causal=None if causal is None else bool(causal),
         output_multiplier=float(key("output_multiplier", 1.0)),
         final_logit_softcapping=softcap(key("final_logit_softcapping")),
         input_embedding_scale=float(key("input_embedding_scale", 1.0)),
