@@ -269,6 +269,15 @@ def test_sliding_window_context(tiny_hybrid):
     cache = draft.make_cache()
     draft.append_context(context(draft, 300), cache)
     assert cache[0].size == 15 and cache[0].offset == 300  # window - 1 entries kept
+    # snapshot/restore (prefix caches): a restored cache drafts exactly like the original.
+    restored = draft.make_cache()
+    for c, r in zip(cache, restored):
+        r.restore(c.snapshot())
+    a, b = (draft(block, None, c) for c in (cache, restored))
+    assert mx.array_equal(a, b).item()
+    more = context(draft, 3, seed=2)
+    a, b = (draft(block, more, c) for c in (cache, restored))
+    assert mx.allclose(a, b, atol=1e-6).item() and restored[0].offset == 303
 
 
 def save(draft, path, extra: dict | None = None, weights: dict | None = None):

@@ -21,13 +21,6 @@ from mlx_lm.models.rope_utils import initialize_rope
 if TYPE_CHECKING:
     from dflash_server.generation.sampling import TokenSampler
 
-_OPTIONAL_DEFAULTS: dict[str, Any] = {
-    "is_causal": None,
-    "output_multiplier": 1.0,
-    "final_logit_softcapping": None,
-    "input_embedding_scale": 1.0,
-}
-
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
     """Taps spread over the target's depth, as the reference trainer picks them."""
@@ -99,7 +92,9 @@ class DFlashConfig:
         dflash = {"target_layer_ids": list(out.pop("target_layer_ids"))}
         dflash["mask_token_id"] = out.pop("mask_token_id")
         out["layer_types"] = list(out["layer_types"])
-        for name, default in _OPTIONAL_DEFAULTS.items():  # published v1 configs omit these
+        from dflash_server.models.variants import OPTIONAL_DEFAULTS
+
+        for name, default in OPTIONAL_DEFAULTS.items():  # published v1 configs omit these
             if out.get(name) == default:
                 out.pop(name)
         return {
@@ -122,11 +117,13 @@ class MLP(nn.Module):
 
 
 class ContextCache:
-    """One draft layer's context K/V (after RoPE): absolute positions ``offset - size .. offset-1``.
+    """One draft layer's context K/V (after RoPE): buffer row r holds absolute position
+    ``start + r``; the live entries are the newest ``size`` of positions ``start .. offset - 1``.
 
     ``max_size`` keeps only the newest positions (a sliding layer keeps ``window - 1``: all that
     block position 0 can see), so memory stays bounded. The buffer grows ``step`` positions at a
-    time like mlx-lm's ``KVCache``, so an append costs O(new positions), amortised.
+    time like mlx-lm's ``KVCache``, so an append costs O(new positions), amortised. Save and
+    load it with ``snapshot``/``restore`` (a windowed buffer does not start at position 0).
     """
 
     step = 256
@@ -136,11 +133,12 @@ class ContextCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0  # positions seen so far = absolute position of the next one
-        self._used = 0  # buffer rows written; the live ones are the last ``size`` of them
+        self.start = 0  # absolute position of buffer row 0
 
     @property
     def size(self) -> int:
-        return self._used if self.max_size is None else min(self._used, self.max_size)
+        used = self.offset - self.start
+        return used if self.max_size is None else min(used, self.max_size)
 
     @property
     def state(self) -> list[mx.array]:
@@ -149,33 +147,47 @@ class ContextCache:
     def skip(self, n: int) -> None:
         """Advance past ``n`` positions no query can see; the next append must refill the window."""
         self.offset += n
-        self._used = 0
+        self.start = self.offset
 
     def append(self, keys: mx.array, values: mx.array) -> None:
-        S = keys.shape[2]
-        self.offset += S
-        if self.keys is not None and self._used + S <= self.keys.shape[2]:
-            self.keys[..., self._used : self._used + S, :] = keys
-            self.values[..., self._used : self._used + S, :] = values
-            self._used += S
+        S, used = keys.shape[2], self.offset - self.start
+        if self.keys is not None and used + S <= self.keys.shape[2]:
+            self.keys[..., used : used + S, :] = keys
+            self.values[..., used : used + S, :] = values
+            self.offset += S
             return
         keep = self.size if self.max_size is None else max(0, min(self.size, self.max_size - S))
-        old = slice(self._used - keep, self._used)
+        old = slice(used - keep, used)
         ks = [keys] if keep == 0 else [self.keys[..., old, :], keys]
         vs = [values] if keep == 0 else [self.values[..., old, :], values]
         k, v = mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
         if self.max_size is not None:
             k, v = k[..., -self.max_size :, :], v[..., -self.max_size :, :]
-        self._used = k.shape[2]
+        self.offset += S
+        self.start = self.offset - k.shape[2]
         pad = [*k.shape[:2], self.step, k.shape[3]]
         self.keys = mx.concatenate([k, mx.zeros(pad, k.dtype)], axis=2)
         self.values = mx.concatenate([v, mx.zeros(pad, v.dtype)], axis=2)
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
+        """The live context K/V, oldest first (what a block at ``offset`` may attend to)."""
         if self.keys is None or self.size == 0:
             return None
-        live = slice(self._used - self.size, self._used)
-        return self.keys[..., live, :], self.values[..., live, :]
+        rows = slice(self.offset - self.start - self.size, self.offset - self.start)
+        return self.keys[..., rows, :], self.values[..., rows, :]
+
+    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
+        """Own copies of the live entries plus ``offset``; ``restore`` puts them back."""
+        live = self.fetch()
+        return None if live is None else (*(mx.contiguous(a) for a in live), self.offset)
+
+    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
+        if snapshot is None:
+            self.keys = self.values = None
+            self.offset = self.start = 0
+            return
+        self.keys, self.values, self.offset = snapshot
+        self.start = self.offset - self.keys.shape[2]  # no spare rows: the next append regrows
 
 
 class DFlashAttention(nn.Module):

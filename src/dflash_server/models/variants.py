@@ -25,6 +25,13 @@ _REQUIRED_KEYS = (
     "rms_norm_eps",
     "max_position_embeddings",
 )
+# Keys a config may omit, with the value that means "absent" (``to_dict`` leaves them out).
+OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "is_causal": None,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "input_embedding_scale": 1.0,
+}
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
