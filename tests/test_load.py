@@ -22,8 +22,15 @@ from loadgen import memory_run, memory_summary, run_load
 @pytest.fixture(scope="module")
 def server(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+    # No prefix cache: it holds memory on purpose, and this checks per-request buffers.
     app = make_app(
-        tiny_hybrid_path, draft, max_active=3, max_queue=16, context_length=512, stream_interval=0
+        tiny_hybrid_path,
+        draft,
+        max_active=3,
+        max_queue=16,
+        context_length=512,
+        stream_interval=0,
+        prefix_cache=False,
     )
     with run_server(app) as srv:
         yield srv

@@ -297,9 +297,15 @@ def build_target(
 
 
 def random_drafter(
-    model: Any, *, block_size: int = 16, num_layers: int = 2, seed: int = 0
+    model: Any,
+    *,
+    block_size: int = 16,
+    num_layers: int = 2,
+    seed: int = 0,
+    sliding_window: int | None = None,
 ) -> DFlashDraftModel:
-    """A random-weight DFlash drafter sized to ``model`` and bound to it (accepts ~nothing)."""
+    """A random-weight DFlash drafter sized to ``model`` and bound to it (accepts ~nothing);
+    with ``sliding_window`` its layers alternate sliding/full attention, sliding first."""
     import mlx.core as mx
 
     from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
@@ -323,6 +329,11 @@ def random_drafter(
         target_layer_ids=tuple(sorted({min(1, n - 1), n // 2, n - 1})),
         num_target_layers=n,
         mask_token_id=parts.vocab_size - 1,
+        layer_types=tuple(
+            "sliding_attention" if sliding_window and i % 2 == 0 else "full_attention"
+            for i in range(num_layers)
+        ),
+        sliding_window=sliding_window,
     )
     draft = DFlashDraftModel(config)
     mx.eval(draft.parameters())

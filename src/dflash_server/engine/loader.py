@@ -164,11 +164,41 @@ def load_models(
             draft_layers=int(drafter.config.num_hidden_layers),
             target_layer_ids=list(drafter.config.target_layer_ids),
         )
+    from dflash_server.generation.target import TargetModel
+    from dflash_server.models.hooks import HookError
+
+    try:  # install the target's hooks now: their self-check fails here, not mid-request
+        TargetModel.of(model, tuple(drafter.config.target_layer_ids) if drafter else ())
+    except HookError as exc:
+        raise ModelLoadError(f"cannot use target {target_label!r}: {exc}") from exc
+    summary["fingerprint"] = _fingerprint(target_path, draft_path if draft else None)
     model_ctx = _model_context(target_cfg) or DEFAULT_CONTEXT
     ctx = min(context_length, model_ctx) if context_length else model_ctx
     summary["context_length"] = ctx
     summary["active_memory_gb"] = round(mx.get_active_memory() / 1e9, 4)
     return LoadedModels(model, tokenizer, drafter, ctx, summary)
+
+
+def _fingerprint(target: Path, draft: Path | None) -> str:
+    """What identifies the loaded pair's state: both configs and weight files (name, size,
+    mtime), so a changed or swapped model never reuses a prefix cache entry on disk."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for folder in (target, draft):
+        if folder is None:
+            h.update(b"no drafter")
+            continue
+        for f in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
+            stat = f.stat()
+            h.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+            if f.suffix == ".json":
+                h.update(f.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def models_fingerprint(models: LoadedModels) -> str:
+    return str(models.summary.get("fingerprint", ""))
 
 
 def _size(gb: float) -> str:

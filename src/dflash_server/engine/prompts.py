@@ -21,6 +21,7 @@ class Prompt:
     text: str
     tokens: list[int]
     reasoning: Reasoning = field(default_factory=Reasoning)
+    checkpoints: tuple[int, ...] = ()  # where the next request is likely to share this one
 
     @property
     def opens_reasoning(self) -> bool:
@@ -52,11 +53,47 @@ def render_chat(
         )
     except Exception as exc:  # jinja raises TemplateError / TypeError for malformed input
         raise PromptError(f"chat template rejected the messages: {exc}") from exc
-    return Prompt(text, encode(tokenizer, text), prompt_reasoning(tokenizer, text))
+    tokens = encode(tokenizer, text)
+    return Prompt(
+        text, tokens, prompt_reasoning(tokenizer, text), chat_checkpoints(tokenizer, tokens)
+    )
+
+
+# Tokens that open a message in common chat templates (ChatML/Qwen, Llama 3).
+MESSAGE_STARTS = ("<|im_start|>", "<|start_header_id|>")
+# Completions have no messages: keep state every so many tokens.
+CHECKPOINT_STRIDE = 4096
+
+
+def chat_checkpoints(tokenizer: Any, tokens: list[int]) -> tuple[int, ...]:
+    """Message boundaries worth keeping recurrent state at: the end of the first message (the
+    system prompt and tools) and the last few, the last being the start of the generation
+    prompt, which is exactly what the next turn of the conversation shares."""
+    for marker in MESSAGE_STARTS:
+        marker_id = _token_id(tokenizer, marker)
+        if marker_id is not None:
+            starts = [i for i, t in enumerate(tokens) if t == marker_id and i > 0]
+            return tuple(sorted(set(starts[:1] + starts[-3:])))
+    return stride_checkpoints(len(tokens))
+
+
+def stride_checkpoints(length: int) -> tuple[int, ...]:
+    return tuple(range(CHECKPOINT_STRIDE, length, CHECKPOINT_STRIDE))
+
+
+def _token_id(tokenizer: Any, token: str) -> int | None:
+    try:
+        ids = tokenizer.encode(token, add_special_tokens=False)
+    except Exception:
+        return None
+    return ids[0] if len(ids) == 1 else None
 
 
 def render_completion(tokenizer: Any, prompt: str | list[int]) -> Prompt:
     """A raw prompt: text is tokenized as is; token ids pass through."""
     if isinstance(prompt, str):
-        return Prompt(prompt, encode(tokenizer, prompt))
-    return Prompt(tokenizer.decode(prompt), list(prompt))
+        tokens = encode(tokenizer, prompt)
+        return Prompt(prompt, tokens, checkpoints=stride_checkpoints(len(tokens)))
+    return Prompt(
+        tokenizer.decode(prompt), list(prompt), checkpoints=stride_checkpoints(len(prompt))
+    )

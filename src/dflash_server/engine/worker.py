@@ -29,6 +29,7 @@ from dflash_server.engine.jobs import (
 )
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
 from dflash_server.engine.logprobs import TokenTexts, token_logprobs
+from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -92,8 +93,10 @@ class Engine:
         prefill_step_size: int = 2048,
         generate: GenerateFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self._loader = loader
+        self.prefix_cache = prefix_cache
         self._generate = generate or self._run_request
         self._on_fatal = on_fatal
         self.max_queue = max_queue
@@ -198,6 +201,8 @@ class Engine:
             for run in list(self._active):  # shutdown: every open stream gets a final event
                 run.job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
                 self._close(run)
+            if self.prefix_cache is not None:
+                self.prefix_cache.close()
 
     def _round(self) -> bool:
         """Admit waiting jobs up to ``max_active``, then step each active one once."""
@@ -240,6 +245,7 @@ class Engine:
             models.tokenizer,
             request,
             prefill_step_size=self.prefill_step_size,
+            prefix=self.prefix_cache,
         )
 
     def _start(self, job: Job) -> _Run | None:
@@ -295,10 +301,12 @@ class Engine:
             peak_memory_gb=round(float(last.peak_memory), 3),
             queue_wait_s=round((job.started or job.created) - job.created, 3),
         )
-        done = Finished(last.finish_reason or "length", prompt_tokens, run.produced, stats)
+        cached = last.stats.cached_tokens if last.stats is not None else 0
+        done = Finished(last.finish_reason or "length", prompt_tokens, run.produced, stats, cached)
         log.info(
-            "request: %d prompt + %d output tokens (%s), %.1f tok/s, tau %s",
+            "request: %d prompt (%s) + %d output tokens (%s), %.1f tok/s, tau %s",
             done.prompt_tokens,
+            f"prefix cache hit: {cached} reused" if cached else "prefix cache miss",
             done.completion_tokens,
             done.finish_reason,
             stats["generation_tps"],

@@ -53,6 +53,8 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     constraint: ConstraintSpec | None = None
     reasoning: Reasoning = field(default_factory=Reasoning)
+    # Prompt positions a prefix cache should keep recurrent state at (message boundaries).
+    checkpoints: tuple[int, ...] = ()
     # An mlx-lm style sampler (logprobs -> tokens), Python API only: replaces the sampling rule.
     sampler: Callable[[mx.array], mx.array] | None = None
 

@@ -30,7 +30,7 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(0.0, ge=0, le=2, description="sampling temperature (0: greedy)")
     top_p: float = Field(
-        1.0, gt=0, le=1, description="keep the most likely tokens up to this probability mass"
+        1.0, ge=0, le=1, description="keep the most likely tokens up to this mass (0: the top one)"
     )
     top_k: int = Field(
         0, ge=-1, le=MAX_INT, description="keep the k most likely tokens (0 or -1: off)"
@@ -175,6 +175,8 @@ class TokenSampler:
         x = x - mx.logsumexp(x, axis=-1, keepdims=True)
         if 0 < p.top_p < 1:
             x = apply_top_p(x, p.top_p)
+        elif p.top_p == 0:  # the OpenAI spec allows 0: no mass at all, so the top token alone
+            x = apply_top_k(x, 1)
         if p.min_p != 0:
             x = apply_min_p(x, p.min_p)
         if 0 < p.top_k < x.shape[-1]:

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from dflash_server.generation.prefix import Checkpoint, PrefixStore, PromptSnapshot, supported
 from dflash_server.generation.sampling import (
     TokenConstraint,
     TokenSampler,
@@ -36,6 +37,8 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     acceptance_histogram: list[int] = field(default_factory=list)  # index = accepted drafts
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    prefill_s: float = 0.0  # seconds until the first token
     timings: dict[str, float] | None = None  # seconds per phase, only when profiling
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class SpeculativeStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tau": round(self.tau, 4),
             "acceptance_histogram": list(self.acceptance_histogram),
+            "cached_tokens": self.cached_tokens,
+            "prefill_s": round(self.prefill_s, 4),
         }
         if self.timings is not None:
             out["timings"] = {k: round(v, 6) for k, v in self.timings.items()}
@@ -120,6 +125,8 @@ class SpeculativeDecoder:
         profile: bool = False,
         logprobs: int | None = None,
         constraint: TokenConstraint | None = None,
+        prefix: PrefixStore | None = None,
+        checkpoints: tuple[int, ...] = (),
     ):
         self.target, self.draft, self.sampler = target, draft, sampler
         self.block_size = block_size if draft is not None else 1
@@ -128,6 +135,10 @@ class SpeculativeDecoder:
         self.cache = target.make_cache()
         self.rollback = target.make_rollback(self.cache)
         self.draft_cache = draft.make_cache() if draft is not None else None
+        # Prefix caching needs caches a snapshot can hold (KV and Gated DeltaNet).
+        self.prefix = prefix if prefix is not None and supported(self.cache) else None
+        self.checkpoints = frozenset(checkpoints)
+        self._prefix_kind = (target.tap_ids,) if draft is not None else ()
         self.stats = SpeculativeStats(self.block_size, timings={} if profile else None)
         self._history: list[int] = []  # token ids the penalties look back over
         self._context: mx.array | None = None  # committed taps not yet given to the drafter
@@ -162,26 +173,61 @@ class SpeculativeDecoder:
         return None if self.logprobs is None else token_logprobs(logits, emitted, self.logprobs)
 
     def prefill(self, prompt: list[int]) -> _Cycle:
-        """Feed the prompt in chunks; return the first token as a (lazy) one-row cycle."""
+        """Feed the prompt in chunks (after what the prefix cache restores); return the first
+        token as a (lazy) one-row cycle. With a prefix cache, chunks also end at the
+        checkpoints, where the recurrent state is kept for later requests."""
         self._history = list(prompt)
+        start, checkpoints = self._restore(prompt)
         tokens = mx.array(prompt)[None]
-        step = max(1, self.prefill_step_size)
         with mx.stream(generation_stream):
-            for start in range(0, len(prompt), step):
-                last = start + step >= len(prompt)
+            for begin, end in self._chunks(start, len(prompt)):
+                last = end == len(prompt)
                 rows = slice(-1, None) if last else None
-                logits, taps = self.target.forward(
-                    tokens[:, start : start + step], self.cache, rows
-                )
+                logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows)
                 if self.draft is not None:
                     self.draft.append_context(taps, self.draft_cache)
+                if self.prefix is not None and end in self._chunk_checkpoints(len(prompt)):
+                    checkpoints[end] = Checkpoint.take(self.cache, self.draft_cache)
                 if not last:  # bound peak memory: materialise this chunk before the next
                     mx.eval([c.state for c in self.cache], *self._draft_state())
                     mx.clear_cache()
+            if self.prefix is not None:
+                snapshot = PromptSnapshot.take(prompt, self.cache, self.draft_cache, checkpoints)
+                mx.async_eval(snapshot.arrays())
+                self.prefix.store(self._prefix_kind, snapshot)
             logits = self._finish_rows(logits[0], self._history_tail(), None)
             first = self.sampler.sample(logits)
             result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
         return _Cycle(result, None, 1, self._logprobs(logits, first))
+
+    def _restore(self, prompt: list[int]) -> tuple[int, dict[int, Any]]:
+        """Load the longest cached prefix (never the whole prompt: its last token gives the
+        logits); return its length and the checkpoints the new snapshot inherits."""
+        if self.prefix is None:
+            return 0, {}
+        hit = self.prefix.lookup(self._prefix_kind, prompt)
+        if hit is None:
+            return 0, {}
+        snapshot, start = hit
+        snapshot.restore(start, self.cache, self.draft_cache)
+        self.stats.cached_tokens = start
+        return start, {p: s for p, s in snapshot.checkpoints.items() if p <= start}
+
+    def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Prefill chunks from ``start``: at most ``prefill_step_size`` long, cut at absolute
+        multiples of it and (with a prefix cache) at the checkpoints, so a warm run computes
+        exactly the chunks a cold run did after the restored prefix."""
+        step = max(1, self.prefill_step_size)
+        cuts = set(range(step, end, step)) | {end}
+        if self.prefix is not None:
+            cuts |= self._chunk_checkpoints(end)
+        ends = sorted(c for c in cuts if c > start)
+        return list(zip([start, *ends[:-1]], ends))
+
+    def _chunk_checkpoints(self, prompt_len: int) -> set[int]:
+        """Where to keep recurrent state: the requested checkpoints, and just before the last
+        token (a repeated prompt then prefills one token)."""
+        return {p for p in self.checkpoints if 0 < p < prompt_len} | {prompt_len - 1}
 
     def _draft_state(self) -> list[Any]:
         return [c.state for c in self.draft_cache] if self.draft_cache is not None else []

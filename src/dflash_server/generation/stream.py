@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from dflash_server.generation.prefix import PrefixStore
 from dflash_server.generation.request import (
     GenerationRequest,
     Prebuilt,
@@ -120,8 +121,13 @@ def generate(
     *,
     prefill_step_size: int = 2048,
     profile: bool = False,
+    prefix: PrefixStore | None = None,
 ) -> Iterator[GenerationResponse]:
-    """Run one request (``draft`` must be bound to ``model``; ignored when not speculative)."""
+    """Run one request (``draft`` must be bound to ``model``; ignored when not speculative).
+
+    ``prefix``: a prefix cache to restore the prompt's longest cached prefix from and to keep
+    this prompt's state in (at ``request.checkpoints``).
+    """
     draft = draft if request.speculative else None
     target = TargetModel.of(model, draft.config.target_layer_ids if draft else ())
     constraint = None if request.constraint is None else request.constraint.build(tokenizer)
@@ -134,6 +140,8 @@ def generate(
         profile,
         request.logprobs,
         constraint,
+        prefix,
+        request.checkpoints,
     )
     text = TextStream(tokenizer, request.stop)
     prompt = list(request.prompt)
@@ -143,7 +151,8 @@ def generate(
         decoder.generate(prompt, request.max_tokens, tokenizer.eos_token_ids)
     ):
         if i == 0:
-            prompt_tps = len(prompt) / (time.perf_counter() - tic)
+            decoder.stats.prefill_s = time.perf_counter() - tic
+            prompt_tps = (len(prompt) - decoder.stats.cached_tokens) / decoder.stats.prefill_s
             tic = time.perf_counter()
         segment, kept, finish = text.feed(commit)
         n += kept

@@ -1,0 +1,227 @@
+"""The prefix cache's optional disk tier: snapshots as safetensors files, across restarts.
+
+Files are written from a background thread (the worker only queues them) and read back on a RAM
+miss. Each file's safetensors metadata holds the models' fingerprint, the snapshot kind, its token
+ids and checkpoint positions, so the index is rebuilt at startup from the headers alone; files of
+other models, other formats or damaged ones are skipped with a warning. The oldest files go when
+the folder outgrows its budget.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import queue
+import struct
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from dflash_server.generation.prefix import Checkpoint, PromptSnapshot
+
+log = logging.getLogger("dflash_server")
+FORMAT = "dflash-prefix-1"
+
+
+@dataclass
+class _File:
+    path: Path
+    kind: tuple
+    tokens: np.ndarray
+    checkpoints: tuple[int, ...]
+    recurrent: bool
+    nbytes: int
+
+    def restorable(self, limit: int) -> int:
+        if not self.recurrent:
+            return limit
+        return max((p for p in self.checkpoints if p <= limit), default=0)
+
+
+def _read_header(path: Path) -> dict[str, str]:
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 64 * 2**20:
+            raise ValueError("header too large")
+        return json.loads(f.read(size)).get("__metadata__") or {}
+
+
+class PrefixDisk:
+    """Snapshots in ``folder`` (up to ``budget`` bytes) for the models with ``fingerprint``."""
+
+    def __init__(self, folder: str | Path, budget: int, fingerprint: str) -> None:
+        self.folder = Path(folder).expanduser()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.budget, self.fingerprint = budget, fingerprint
+        self._files: dict[Path, _File] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[tuple, PromptSnapshot] | None] = queue.Queue()
+        self.writes = self.reads = 0
+        for path in sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
+            self._index(path)
+        self._writer = threading.Thread(target=self._write_loop, name="prefix-disk", daemon=True)
+        self._writer.start()
+
+    def describe(self) -> str:
+        return f"{self.folder} ({len(self._files)} entries, budget {self.budget / 2**30:.1f} GiB)"
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "entries": len(self._files),
+                "bytes": sum(f.nbytes for f in self._files.values()),
+                "writes": self.writes,
+                "reads": self.reads,
+            }
+
+    def _index(self, path: Path) -> None:
+        try:
+            meta = _read_header(path)
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"not a {FORMAT} file")
+            if meta.get("fingerprint") != self.fingerprint:
+                log.warning("prefix cache: %s belongs to other models; ignored", path.name)
+                return
+            tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype=np.int32)
+            entry = _File(
+                path,
+                _as_tuple(json.loads(meta["kind"])),
+                tokens.astype(np.int64),
+                tuple(json.loads(meta["checkpoints"])),
+                meta["recurrent"] == "1",
+                path.stat().st_size,
+            )
+        except (OSError, ValueError, KeyError, struct.error) as exc:
+            log.warning("prefix cache: %s is unreadable (%s); ignored", path.name, exc)
+            return
+        with self._lock:
+            self._files[path] = entry
+
+    # ----- reading (worker thread) -----------------------------------------------------------
+
+    def lookup(
+        self, kind: tuple, tokens: np.ndarray, limit: int, better_than: int
+    ) -> PromptSnapshot | None:
+        """The snapshot restoring more than ``better_than`` tokens of ``tokens``, if on disk."""
+        from dflash_server.engine.prefix_cache import common_prefix
+
+        with self._lock:
+            scored = [
+                (f.restorable(min(common_prefix(f.tokens, tokens), limit)), f)
+                for f in self._files.values()
+                if f.kind == kind
+            ]
+        for n, entry in sorted(scored, key=lambda s: -s[0]):
+            if n <= better_than:
+                return None
+            try:
+                snapshot = self._load(entry)
+            except Exception as exc:  # damaged since indexed: skip it, try the next
+                log.warning("prefix cache: cannot read %s (%s); ignored", entry.path.name, exc)
+                with self._lock:
+                    self._files.pop(entry.path, None)
+                continue
+            self.reads += 1
+            return snapshot
+        return None
+
+    def _load(self, entry: _File) -> PromptSnapshot:
+        arrays = mx.load(str(entry.path))
+        meta = _read_header(entry.path)
+        layers = json.loads(meta["layers"])  # "kv" or "recurrent" per target layer
+        kv = [
+            (arrays[f"kv.{i}.keys"], arrays[f"kv.{i}.values"]) if kind == "kv" else None
+            for i, kind in enumerate(layers)
+        ]
+        n_draft = int(meta["draft_layers"])
+        draft_kv = [_pair(arrays, f"draft.{i}") for i in range(n_draft)] if n_draft else None
+        checkpoints = {}
+        for p, (slots, windowed) in json.loads(meta["checkpoints_layout"]).items():
+            recurrent = [
+                [arrays.get(f"ckpt.{p}.{j}.{k}") for k in range(n)] for j, n in enumerate(slots)
+            ]
+            draft = [_pair(arrays, f"dckpt.{p}.{i}") for i in range(n_draft)] if windowed else None
+            checkpoints[int(p)] = Checkpoint(recurrent, draft)
+        tokens = tuple(int(t) for t in entry.tokens)
+        return PromptSnapshot(tokens, kv, draft_kv, checkpoints)
+
+    # ----- writing (background thread) -------------------------------------------------------
+
+    def save(self, kind: tuple, snapshot: PromptSnapshot) -> None:
+        """Queue a snapshot for writing; returns at once."""
+        self._queue.put((kind, snapshot))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish queued writes (bounded by ``timeout``)."""
+        self._queue.put(None)
+        self._writer.join(timeout)
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._write(*item)
+            except Exception:
+                log.exception("prefix cache: writing a snapshot failed")
+
+    def _write(self, kind: tuple, snapshot: PromptSnapshot) -> None:
+        arrays: dict[str, mx.array] = {}
+        layers = []
+        for i, pair in enumerate(snapshot.kv):
+            layers.append("recurrent" if pair is None else "kv")
+            if pair is not None:
+                arrays[f"kv.{i}.keys"], arrays[f"kv.{i}.values"] = pair
+        for i, pair in enumerate(snapshot.draft_kv or []):
+            arrays[f"draft.{i}.keys"], arrays[f"draft.{i}.values"] = pair
+        layout = {}  # position -> (slots per recurrent layer, whether drafter windows are kept)
+        for p, checkpoint in snapshot.checkpoints.items():
+            for j, slots in enumerate(checkpoint.recurrent):
+                arrays |= {f"ckpt.{p}.{j}.{k}": a for k, a in enumerate(slots) if a is not None}
+            for i, pair in enumerate(checkpoint.draft or []):
+                if pair is not None:
+                    arrays[f"dckpt.{p}.{i}.keys"], arrays[f"dckpt.{p}.{i}.values"] = pair
+            layout[p] = ([len(s) for s in checkpoint.recurrent], checkpoint.draft is not None)
+        tokens = np.asarray(snapshot.tokens, dtype=np.int32)
+        meta = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "kind": json.dumps(list(kind)),
+            "tokens": base64.b64encode(tokens.tobytes()).decode(),
+            "checkpoints": json.dumps(sorted(snapshot.checkpoints)),
+            "checkpoints_layout": json.dumps(layout),
+            "recurrent": "1" if snapshot.recurrent else "0",
+            "layers": json.dumps(layers),
+            "draft_layers": str(len(snapshot.draft_kv or [])),
+        }
+        name = f"{uuid.uuid4().hex}.safetensors"
+        partial = self.folder / ".partial"
+        partial.mkdir(exist_ok=True)
+        mx.save_safetensors(str(partial / name), arrays, metadata=meta)
+        path = (partial / name).rename(self.folder / name)  # never seen half-written
+        self.writes += 1
+        self._index(path)
+        self._evict()
+
+    def _evict(self) -> None:
+        with self._lock:
+            files = list(self._files.values())  # in the order written: oldest first
+            total = sum(f.nbytes for f in files)
+            while files and total > self.budget:
+                oldest = files.pop(0)
+                total -= oldest.nbytes
+                self._files.pop(oldest.path, None)
+                oldest.path.unlink(missing_ok=True)
+
+
+def _as_tuple(value: object) -> object:
+    """JSON lists back into the nested tuples a snapshot kind is made of."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+def _pair(arrays: dict[str, mx.array], prefix: str) -> tuple[mx.array, mx.array] | None:
+    keys = arrays.get(f"{prefix}.keys")
+    return None if keys is None else (keys, arrays[f"{prefix}.values"])

@@ -1,0 +1,145 @@
+"""Prefilled prompt state, taken once and restored into fresh caches (the prefix cache's unit).
+
+Attention KV (target and drafter) can be cut to any shorter prefix; a Gated DeltaNet layer's conv
+and recurrent state, and a sliding drafter layer's window, are valid only where they were taken
+(FACTS §13). So a snapshot holds the KV of the whole prompt plus that state at a few checkpoint
+positions, and restores at any checkpoint (at any position when nothing needs one). MLX arrays are immutable
+and caches rebind or reallocate on update, so a restored request never changes the snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+KV = tuple[mx.array, mx.array]  # keys, values: [B, heads, tokens, head_dim]
+
+
+def supported(cache: list[Any]) -> bool:
+    """Whether every layer cache is one a snapshot knows how to take and restore."""
+    return all(type(c) in (KVCache, ArraysCache) for c in cache)
+
+
+def _kv(cache: KVCache, length: int) -> KV:
+    # Own copies: the live buffer keeps being written in place as decoding goes on.
+    return (
+        mx.contiguous(cache.keys[..., :length, :]),
+        mx.contiguous(cache.values[..., :length, :]),
+    )
+
+
+@dataclass
+class Checkpoint:
+    """The state at one position that cannot be cut out of a longer prefix: each recurrent
+    target layer's slots, and each sliding drafter layer's context window (None for the
+    drafter's full-attention layers, whose context is cut from the snapshot's)."""
+
+    recurrent: list[list[mx.array | None]]
+    draft: list[KV | None] | None = None
+
+    @classmethod
+    def take(cls, cache: list[Any], draft_cache: list[Any] | None) -> Checkpoint:
+        # ArraysCache rebinds its slots on update: references are enough, no copies.
+        recurrent = [list(c.cache) for c in cache if isinstance(c, ArraysCache)]
+        draft = None
+        if draft_cache is not None and any(c.max_size for c in draft_cache):
+            draft = [c.snapshot()[:2] if c.max_size else None for c in draft_cache]
+        return cls(recurrent, draft)
+
+    def arrays(self) -> list[mx.array]:
+        out = [a for slots in self.recurrent for a in slots if a is not None]
+        return out + [a for pair in self.draft or [] if pair is not None for a in pair]
+
+
+@dataclass
+class PromptSnapshot:
+    """The caches after prefilling ``tokens``: KV (target and drafter) for all of them, plus
+    ``checkpoints`` (position -> what else restoring there needs)."""
+
+    tokens: tuple[int, ...]
+    kv: list[KV | None]  # per target layer; None for recurrent layers
+    # Per drafter layer its live context K/V, ending at len(tokens); None without a drafter.
+    draft_kv: list[KV] | None
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
+
+    @classmethod
+    def take(
+        cls,
+        tokens: Sequence[int],
+        cache: list[Any],
+        draft_cache: list[Any] | None,
+        checkpoints: dict[int, Checkpoint],
+    ) -> PromptSnapshot:
+        n = len(tokens)
+        kv = [_kv(c, n) if isinstance(c, KVCache) else None for c in cache]
+        draft_kv = None if draft_cache is None else [c.snapshot()[:2] for c in draft_cache]
+        return cls(tuple(tokens), kv, draft_kv, dict(checkpoints))
+
+    def arrays(self) -> list[mx.array]:
+        out = [a for pair in self.kv if pair is not None for a in pair]
+        out += [a for pair in self.draft_kv or [] for a in pair]
+        return out + [a for c in self.checkpoints.values() for a in c.arrays()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether restoring needs a checkpoint (else any prefix can be cut out of the KV)."""
+        return any(pair is None for pair in self.kv) or any(
+            c.draft is not None for c in self.checkpoints.values()
+        )
+
+    def restorable(self, limit: int) -> int:
+        """The longest prefix, at most ``limit`` tokens, this snapshot can restore (0: none)."""
+        limit = min(limit, len(self.tokens))
+        if not self.recurrent:
+            return limit
+        return max((p for p in self.checkpoints if p <= limit), default=0)
+
+    def restore(self, length: int, cache: list[Any], draft_cache: list[Any] | None) -> None:
+        """Load the state after ``length`` tokens into fresh caches."""
+        checkpoint = self.checkpoints.get(length)
+        recurrent = iter(checkpoint.recurrent if checkpoint is not None else [])
+        for c, pair in zip(cache, self.kv):
+            if pair is None:
+                c.cache = list(next(recurrent))
+            else:
+                _load_kv(c, pair, length)
+        if draft_cache is None:
+            return
+        assert self.draft_kv is not None, "snapshot taken without the drafter"
+        windows = checkpoint.draft if checkpoint is not None and checkpoint.draft else None
+        for i, (c, (keys, values)) in enumerate(zip(draft_cache, self.draft_kv)):
+            if windows is not None and windows[i] is not None:
+                keys, values = windows[i]
+                c.restore((keys, values, length))
+            else:  # full attention: the context from position 0, cut at ``length``
+                c.restore((keys[..., :length, :], values[..., :length, :], length))
+
+
+def _load_kv(cache: KVCache, pair: KV, length: int) -> None:
+    # Fresh slices: the cache's in-place writes then land in new arrays, never in the snapshot.
+    cache.keys, cache.values = pair[0][..., :length, :], pair[1][..., :length, :]
+    cache.offset = length
+
+
+class PrefixStore(Protocol):
+    """Where the decoder finds and leaves prompt snapshots (the engine's prefix cache).
+
+    ``kind`` tells snapshots apart that hold different state for the same tokens (e.g. with or
+    without the drafter's context, other taps).
+    """
+
+    def lookup(self, kind: tuple, prompt: Sequence[int]) -> tuple[PromptSnapshot, int] | None:
+        """The snapshot to restore and how many tokens of ``prompt`` it restores."""
+        ...
+
+    def store(self, kind: tuple, snapshot: PromptSnapshot) -> None:
+        """Keep a prompt's snapshot for later requests."""
+        ...
