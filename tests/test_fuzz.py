@@ -39,7 +39,7 @@ WRONG = {
     "messages": [None, "hi", 5, {}, [], [None], ["hi"], [{"content": "x"}], [{"role": 5}]],
     "max_tokens": ["five", 1.5, -1, 0, [], {}, 2**31, 10**40, -(10**40)],
     "temperature": ["hot", -0.1, 2.5, 1e308, -1e308, [], {}],
-    "top_p": [0, -1, 1.5, "one", [], 1e300],
+    "top_p": [-0.1, -1, 1.5, "one", [], 1e300],  # 0 is valid (the OpenAI spec's minimum)
     "top_k": [-2, "k", 1.5, 10**20],
     "min_p": [-0.5, 2, "x"],
     "presence_penalty": [5, -5, "x", 1e10],

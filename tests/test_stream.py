@@ -76,7 +76,8 @@ def test_invalid_arguments(tiny_hybrid):
     with pytest.raises(ValueError, match="block_size"):
         next(stream_generate(model, draft, tokenizer, "hi", block_size=9))
     with pytest.raises(ValueError, match="top_p"):
-        next(stream_generate(model, draft, tokenizer, "hi", top_p=0))
+        # top_p=0 is valid (OpenAI spec: minimum 0; keeps the most likely token): -0.1 is not.
+        next(stream_generate(model, draft, tokenizer, "hi", top_p=-0.1))
     with pytest.raises(ValueError, match="empty"):
         next(stream_generate(model, draft, tokenizer, []))
 

@@ -109,8 +109,12 @@ def test_malformed_call_is_text_with_warning(caplog: pytest.LogCaptureFixture) -
         content, calls = _run(["a ", bad, " b"])
     assert calls == [] and content == "a " + bad + " b"
     assert "malformed tool call" in caplog.text
-    content, calls = _run(["x <tool_call>\n<function=noop>\n<parameter=a>\n1"])
-    assert calls == [] and content.startswith("x <tool_call>")  # cut off by max_tokens
+    # Cut off by max_tokens: the unfinished call is dropped, never returned as markup.
+    parser = ToolCallParser(TOOLS)
+    pieces = parser.feed("x <tool_call>\n<function=noop>\n<parameter=a>\n1") + parser.finish(True)
+    assert pieces == ["x "] and parser.calls == [] and parser.dropped == 1
+    parser = ToolCallParser(TOOLS)
+    assert parser.feed("y <tool_") + parser.finish(cut=True) == ["y "]  # a cut tag prefix too
 
 
 def test_missing_close_tags_are_tolerated() -> None:

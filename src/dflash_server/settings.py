@@ -166,10 +166,17 @@ class Settings(BaseSettings, _SamplingDefaults):
         5.0, ge=0, description="seconds in-flight requests may finish after SIGINT/SIGTERM"
     )
     web: bool = Field(True, description="serve the chat page at /")
+    metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
+    metrics_auth: bool = Field(
+        True, description="/metrics needs the API key too (when --api-key is set)"
+    )
+    responses_store: int = Field(
+        256, ge=0, description="responses kept for previous_response_id (0: none)"
+    )
 
     # Engine
     max_queue: int = Field(
-        8, ge=0, description="requests that may wait for an active slot (429 beyond)"
+        512, ge=0, description="requests that may wait for an active slot (429 beyond)"
     )
     max_active: int = Field(
         4, ge=1, description="requests generating at once, interleaved one DFlash cycle each"
@@ -190,6 +197,9 @@ class Settings(BaseSettings, _SamplingDefaults):
         None, gt=0, description="output cap when a request sets none (default: context limit)"
     )
     enable_thinking: bool = Field(True, description="the chat template's thinking switch")
+    max_thinking_tokens: int | None = Field(
+        None, ge=0, description="reasoning tokens before the answer is forced (default: no cap)"
+    )
     # ... and every field of SamplingParams in SERVED_FIELDS, from _SamplingDefaults
 
     @field_validator("allowed_origins", mode="before")

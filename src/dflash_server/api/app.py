@@ -12,6 +12,9 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from dflash_server.api.errors import install_error_handlers
 from dflash_server.api.guard import RequestGuard
+from dflash_server.api.metrics import Metrics, RequestMetrics
+from dflash_server.api.metrics import router as metrics_router
+from dflash_server.api.openai_responses import ResponseStore
 from dflash_server.api.routes import public, router
 from dflash_server.api.web import web
 from dflash_server.engine.loader import LoadedModels, describe, load_models
@@ -76,8 +79,16 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.started = int(time.time())
+    app.state.metrics = Metrics(engine) if settings.metrics else None
+    app.state.responses = ResponseStore(settings.responses_store)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, api_key=settings.api_key, max_body=settings.max_request_bytes)
+    protected = ("/metrics",) if settings.metrics_auth else ()
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key,
+        max_body=settings.max_request_bytes,
+        protected=protected,
+    )
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -88,6 +99,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         )
     app.include_router(router)
     app.include_router(public)
+    if settings.metrics:
+        app.include_router(metrics_router)
     if settings.web:
         app.include_router(web)
+    # Outermost: every response, the guard's refusals included, gets its x-request-id.
+    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.types import ChatCompletionRequest, SamplingFields
+from dflash_server.engine.budget import Budgeted
 from dflash_server.engine.logprobs import MAX_TOP_LOGPROBS
 from dflash_server.engine.structured import (
     StructuredOutputError,
@@ -13,6 +15,12 @@ from dflash_server.engine.structured import (
     response_format_grammar,
     tool_call_grammar,
 )
+from dflash_server.generation.request import GenerationRequest
+
+# With thinking on, a forced tool call or response_format must be reached: reasoning then gets
+# this many tokens unless the request or the server set a budget, and never over half of
+# max_tokens, so the call or the JSON has room.
+CONSTRAINED_THINKING_TOKENS = 2048
 
 
 def tool_policy(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, list[str] | None]:
@@ -111,3 +119,24 @@ def answer_grammar(
                 400, str(exc), param="response_format", code="unsupported_schema"
             ) from exc
     return grammar
+
+
+def with_thinking_budget(
+    request: GenerationRequest, budget: int | None, width: int | None
+) -> GenerationRequest:
+    """``request`` with its reasoning capped at ``budget`` tokens (None: no cap), enforced by a
+    constraint that allows only the think-end token once the budget is spent.
+
+    Applies only while the prompt leaves a think block open that one token closes. A grammar
+    (forced call, response_format) gets a default budget, see CONSTRAINED_THINKING_TOKENS.
+    """
+    reasoning = request.reasoning
+    if not reasoning.opens or reasoning.think_end is None:
+        return request
+    if request.constraint is not None:
+        cap = request.max_tokens // 2
+        budget = min(CONSTRAINED_THINKING_TOKENS if budget is None else budget, cap)
+    if budget is None or budget >= request.max_tokens:
+        return request  # nothing to enforce: max_tokens ends the answer first
+    spec = Budgeted(budget, reasoning.think_end, width, request.constraint)
+    return dataclasses.replace(request, constraint=spec)

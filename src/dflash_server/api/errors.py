@@ -1,7 +1,9 @@
-"""Every failure leaves the server as an OpenAI error object.
+"""Every failure leaves the server as an OpenAI error object (Anthropic's on its paths).
 
 ``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status, so the
-OpenAI SDKs raise their usual exception classes (BadRequestError, RateLimitError, ...).
+OpenAI SDKs raise their usual exception classes (BadRequestError, RateLimitError, ...). Under
+``/v1/messages`` errors are ``{"type": "error", "error": {"type", "message"}}``, as the
+Anthropic SDKs expect.
 """
 
 from __future__ import annotations
@@ -28,6 +30,25 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """The Anthropic error body for ``status``."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class APIError(Exception):
@@ -58,8 +79,11 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as JSON, in Anthropic's shape on the Anthropic paths."""
+        anthropic = path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+        body = anthropic_error(self.status, self.message) if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -90,19 +114,27 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register handlers so no response ever escapes in FastAPI's default error shape."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 400: "invalid_json"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 400: "invalid_json", 405: "method_not_allowed"}
+        # Starlette's 405 names the allowed methods in its headers ("Allow"): keep them.
+        error = APIError(
+            exc.status_code,
+            str(exc.detail),
+            code=code.get(exc.status_code),
+            headers=dict(exc.headers or {}) or None,
+        )
+        return error.response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        error = APIError(500, f"internal error: {type(exc).__name__}")
+        return error.response(request.url.path)

@@ -2,7 +2,8 @@
 
 A plain ASGI middleware, so it runs before routing and body parsing: a wrong key or an
 oversized body is refused without reading (or buffering) more than the limit, and unknown
-``/v1`` paths need the key too.
+``/v1`` paths need the key too. The key comes as ``Authorization: Bearer <key>`` (OpenAI) or
+``x-api-key: <key>`` (Anthropic).
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ class RequestGuard:
     """401 for a missing/wrong key on ``/v1/*``, 415 for a non-JSON body there, 413 for bodies
     over ``max_body`` bytes."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body: int,
+        protected: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         # Bytes on both sides: compare_digest on str refuses non-ASCII (a 500 waiting to happen).
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
+        self.protected = protected  # paths outside /v1 that need the key too (/metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -35,21 +44,21 @@ class RequestGuard:
             if error is None:
                 receive = _replay(body, receive)
         if error is not None:
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _check(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
         path: str = scope["path"]
+        guarded = path == "/v1" or path.startswith("/v1/") or path in self.protected
         # Preflights carry no credentials; the CORS layer answers them.
-        if self.key and (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS":
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                return APIError(
-                    401,
-                    "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                )
+        if self.key and guarded and scope["method"] != "OPTIONS" and not self._key_ok(headers):
+            return APIError(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')",
+                code="invalid_api_key",
+            )
         if scope["method"] in {"POST", "PUT", "PATCH"} and path.startswith("/v1/"):
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if ctype != b"application/json" and not ctype.endswith(b"+json"):
@@ -65,6 +74,15 @@ class RequestGuard:
             if int(length) > self.max_body:
                 return self._too_large()
         return None
+
+    def _key_ok(self, headers: dict[bytes, bytes]) -> bool:
+        """One constant-time comparison of the key sent: the bearer token, else ``x-api-key``
+        (what the Anthropic SDKs send)."""
+        assert self.key is not None
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(token.strip(), self.key)
 
     def _too_large(self) -> APIError:
         return APIError(

@@ -10,19 +10,21 @@ from dflash_server.api.types import ChatCompletionRequest, ChatMessage
 
 
 def template_message(msg: ChatMessage, index: int) -> dict[str, Any]:
-    """A template-ready message: text parts joined, 'developer' read as 'system'."""
+    """A template-ready message: text (and refusal) parts joined, 'developer' read as 'system'."""
     content = msg.content
     if isinstance(content, list):
         texts = []
         for part in content:
-            if part.type != "text" or part.text is None:
+            # An earlier assistant refusal is what the assistant said: it renders as text.
+            text = part.refusal if part.type == "refusal" else part.text
+            if part.type not in ("text", "refusal") or text is None:
                 raise APIError(
                     400,
                     f"content part type {part.type!r} is not supported; only text parts are",
                     param=f"messages.{index}.content",
                     code="unsupported_content",
                 )
-            texts.append(part.text)
+            texts.append(text)
         content = "".join(texts)
     out: dict[str, Any] = {
         "role": "system" if msg.role == "developer" else msg.role,
@@ -64,6 +66,33 @@ def history_call(call: dict[str, Any], index: int) -> dict[str, Any]:
     return {**call, "function": {**fn, "arguments": args}}
 
 
+# reasoning_effort -> reasoning tokens before the server closes the think block (None: no
+# limit of its own; the server's --max-thinking-tokens applies). "none"/"minimal": no thinking.
+EFFORT_BUDGETS: dict[str, int | None] = {
+    "low": 1024,
+    "medium": 8192,
+    "high": 32768,
+    "xhigh": None,
+}
+_NO_THINKING = ("none", "minimal")
+
+
+def _effort(req: ChatCompletionRequest) -> str | None:
+    effort = req.reasoning_effort
+    if effort is None:
+        return None
+    effort = effort.lower()
+    if effort not in EFFORT_BUDGETS and effort not in _NO_THINKING:
+        names = ", ".join(repr(e) for e in (*_NO_THINKING, *EFFORT_BUDGETS))
+        raise APIError(
+            400,
+            f"reasoning_effort must be one of {names}",
+            param="reasoning_effort",
+            code="invalid_value",
+        )
+    return effort
+
+
 def thinking_enabled(req: ChatCompletionRequest, default: bool) -> bool:
     """chat_template_kwargs.enable_thinking > enable_thinking > reasoning_effort > default."""
     kwargs = req.chat_template_kwargs or {}
@@ -71,6 +100,17 @@ def thinking_enabled(req: ChatCompletionRequest, default: bool) -> bool:
         return bool(kwargs["enable_thinking"])
     if req.enable_thinking is not None:
         return req.enable_thinking
-    if req.reasoning_effort is not None:
-        return req.reasoning_effort.lower() not in ("none", "minimal")
+    effort = _effort(req)
+    if effort is not None:
+        return effort not in _NO_THINKING
+    return default
+
+
+def thinking_budget(req: ChatCompletionRequest, default: int | None) -> int | None:
+    """Reasoning tokens allowed: thinking_budget > reasoning_effort > the server's default."""
+    if req.thinking_budget is not None:
+        return req.thinking_budget
+    effort = _effort(req)
+    if effort in EFFORT_BUDGETS and EFFORT_BUDGETS[effort] is not None:
+        return EFFORT_BUDGETS[effort]
     return default

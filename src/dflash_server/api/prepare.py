@@ -9,11 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from dflash_server.api.constraints import answer_grammar, requested_logprobs, tool_policy
-from dflash_server.api.errors import APIError
-from dflash_server.api.messages import template_message, thinking_enabled
+from dflash_server.api.constraints import (
+    answer_grammar,
+    requested_logprobs,
+    tool_policy,
+    with_thinking_budget,
+)
+from dflash_server.api.errors import APIError, validation_error
+from dflash_server.api.messages import template_message, thinking_budget, thinking_enabled
 from dflash_server.api.types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,17 +58,6 @@ def check_model(requested: str | None, settings: Settings) -> None:
         param="model",
         code="model_not_found",
     )
-
-
-def _check_request(req: SamplingFields, settings: Settings, engine: Engine) -> None:
-    check_model(req.model, settings)
-    problem = unsupported_features(req)
-    if problem is not None:
-        param, message = problem
-        raise APIError(400, message, param=param, code="unsupported_parameter")
-    if engine.state != "ready" or engine.models is None:
-        message = engine.error or "models are still loading; retry shortly (see GET /health)"
-        raise APIError(503, message, code="model_not_ready", headers={"Retry-After": "5"})
 
 
 def _check_request(req: SamplingFields, settings: Settings, engine: Engine) -> None:
@@ -129,19 +125,38 @@ def _request(
     )
 
 
-async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: Engine) -> Prepared:
-    """Validate a chat request and render its prompt with the model's chat template."""
+def chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request built by a translating endpoint (Anthropic, Responses), checked like a
+    request body: invalid values are a 400 naming the field."""
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from exc
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's rendered prompt and its tool policy."""
+
+    prompt: Prompt
+    tools: list[dict[str, Any]] | None  # rendered into the prompt and parsed from the answer
+    forced: list[str] | None  # function names a grammar must force (tool_choice)
+
+
+async def render_messages(
+    req: ChatCompletionRequest, settings: Settings, engine: Engine
+) -> ChatPrompt:
+    """Check a chat request and render its prompt with the model's chat template."""
     _check_request(req, settings, engine)
     assert engine.models is not None
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
     tools, forced = tool_policy(req)
-    tokenizer = engine.models.tokenizer
     try:
         # Templates and tokenizers are CPU work: keep them off the event loop.
         prompt = await run_in_threadpool(
             render_chat,
-            tokenizer,
+            engine.models.tokenizer,
             messages,
             enable_thinking=thinking_enabled(req, settings.enable_thinking),
             template_kwargs=kwargs,
@@ -149,20 +164,37 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
         )
     except PromptError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_messages") from exc
+    return ChatPrompt(prompt, tools, forced)
+
+
+async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: Engine) -> Prepared:
+    """Validate a chat request: its prompt, grammar (tool_choice, response_format), thinking
+    budget and sampling, as one GenerationRequest."""
+    chat = await render_messages(req, settings, engine)
+    assert engine.models is not None
     parallel = req.parallel_tool_calls is not False
     grammar = await run_in_threadpool(
-        answer_grammar, tokenizer, req.response_format, tools, forced, parallel
+        answer_grammar,
+        engine.models.tokenizer,
+        req.response_format,
+        chat.tools,
+        chat.forced,
+        parallel,
     )
     # With reasoning open, the grammar starts after the think-end token (see structured.py).
-    constraint = None if grammar is None else Grammar(grammar, prompt.reasoning.think_end)
+    think_end = chat.prompt.reasoning.think_end
+    constraint = None if grammar is None else Grammar(grammar, think_end)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    request = _request(req, settings, engine, chat.prompt, max_tokens, constraint=constraint)
+    budget = thinking_budget(req, settings.max_thinking_tokens)
+    request = with_thinking_budget(request, budget, engine.models.summary.get("vocab_size"))
     return Prepared(
         kind="chat",
-        request=_request(req, settings, engine, prompt, max_tokens, constraint=constraint),
+        request=request,
         model=req.model or settings.model_id,
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        tools=tools,
+        tools=chat.tools,
         parallel_tool_calls=parallel,
     )
 
@@ -189,6 +221,6 @@ async def prepare_completion(
         kind="completion",
         request=_request(req, settings, engine, prompt, req.max_tokens),
         model=req.model or settings.model_id,
-        stream=req.stream,
+        stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
     )

@@ -13,11 +13,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared
-from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
+from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
 from dflash_server.engine.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from dflash_server.engine.reasoning import ReasoningSplitter, think_markers
 from dflash_server.engine.tool_calls import ToolCall, ToolCallParser
@@ -27,15 +29,16 @@ DONE = "[DONE]"
 DISCONNECT_POLL_S = 0.5
 
 
-def _dumps(obj: dict[str, Any]) -> str:
+def dumps(obj: dict[str, Any]) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def _usage(done: Finished) -> dict[str, int]:
+def usage(done: Finished) -> dict[str, Any]:
     return {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
     }
 
 
@@ -44,11 +47,83 @@ def _error(ev: Failed) -> dict[str, Any]:
     return {"error": {"message": ev.message, "type": kind, "param": None, "code": ev.code}}
 
 
+class ClientGone(Exception):
+    """The client of a non-streamed request went away."""
+
+
+async def job_events(
+    job: Job,
+    *,
+    interval: float = 0.0,
+    is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+) -> AsyncIterator[Event]:
+    """A job's events in order, until its last; the job is cancelled when this ends early.
+
+    Streams (``is_disconnected`` None) wait ``interval`` after each batch to send more text
+    per event; otherwise the client is polled every DISCONNECT_POLL_S (ClientGone when it
+    left). Iterate inside ``contextlib.aclosing`` so an early stop cancels the job at once.
+    """
+    last_sent = 0.0
+    next_check = time.monotonic() + DISCONNECT_POLL_S
+    try:
+        while True:
+            if is_disconnected is None:
+                # At most one event per `interval` while tokens flow fast: each SSE event costs
+                # the event loop far more than a token of text, and 20 ms is below perception.
+                batch = await job.next_events(hold_until=last_sent + interval)
+            else:
+                batch = await job.next_events(timeout=DISCONNECT_POLL_S)
+                if time.monotonic() >= next_check:  # by the clock: events may never pause
+                    if await is_disconnected():
+                        raise ClientGone
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                if batch is None:
+                    continue
+            if not batch:
+                return
+            last_sent = time.monotonic()
+            for ev in batch:
+                yield ev
+    finally:
+        # Runs on normal end, when the client disconnects (the task is cancelled) and when the
+        # reader stops early: a still-running job stops at its next cycle and frees the worker.
+        job.cancel()
+
+
+@dataclass
+class Output:
+    """A finished job: all its text, its logprob entries and its final event."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+    done: Finished
+
+
+async def run_job(job: Job, is_disconnected: Callable[[], Awaitable[bool]]) -> Output | None:
+    """Run a job to the end; None if the client went away, APIError if the job failed."""
+    parts: list[str] = []
+    entries: list[TokenLogprob] = []
+    try:
+        async with aclosing(job_events(job, is_disconnected=is_disconnected)) as events:
+            async for ev in events:
+                if isinstance(ev, TextChunk):
+                    parts.append(ev.text)
+                    entries += ev.logprobs or []
+                elif isinstance(ev, Finished):
+                    return Output("".join(parts), entries, ev)
+                elif isinstance(ev, Failed):
+                    raise APIError(ev.status, ev.message, code=ev.code)
+    except ClientGone:
+        return None
+    raise APIError(500, "generation ended without a final event", code="generation_failed")
+
+
 class ChatText:
     """Model text -> reasoning, content and tool calls, incrementally.
 
     Tool calls are cut out first, so their markup never reaches either text field, also when
-    the model calls from inside its reasoning; the rest is split at the think markers.
+    the model calls from inside its reasoning; the rest is split at the think markers. A call
+    left unfinished at the end is dropped (counted in ``dropped``), never shown as markup.
     """
 
     def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
@@ -58,11 +133,20 @@ class ChatText:
             ToolCallParser(prepared.tools, prepared.parallel_tool_calls) if prepared.tools else None
         )
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
-        if self.tools is None:
-            pieces: list[str | ToolCall] = [text]
-        else:
-            pieces = self.tools.feed(text) + (self.tools.finish() if final else [])
+    def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning, content, complete calls) that are safe to send now."""
+        return self._split(self.tools.feed(text) if self.tools is not None else [text])
+
+    def finish(self, reason: str) -> tuple[str, str, list[ToolCall]]:
+        """What was held back, once the output ended with finish ``reason``."""
+        cut = reason == "length"
+        reasoning, content, calls = self._split(
+            self.tools.finish(cut) if self.tools is not None else []
+        )
+        r, c = self.splitter.finish()
+        return reasoning + r, content + c, calls
+
+    def _split(self, pieces: list[str | ToolCall]) -> tuple[str, str, list[ToolCall]]:
         reasoning, content, calls = "", "", []
         for piece in pieces:
             if isinstance(piece, ToolCall):
@@ -70,14 +154,22 @@ class ChatText:
                 continue
             r, c = self.splitter.feed(piece)
             reasoning, content = reasoning + r, content + c
-        if final:
-            r, c = self.splitter.finish()
-            reasoning, content = reasoning + r, content + c
         return reasoning, content, calls
 
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and bool(self.tools.calls)
+
+    @property
+    def dropped(self) -> int:
+        return self.tools.dropped if self.tools is not None else 0
+
     def finish_reason(self, reason: str) -> str:
-        called = self.tools is not None and self.tools.calls
-        return "tool_calls" if called and reason == "stop" else reason
+        return "tool_calls" if self.called and reason == "stop" else reason
+
+    def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The ``dflash`` stats, saying when an unfinished call was left out."""
+        return stats | {"dropped_tool_calls": self.dropped} if self.dropped else stats
 
 
 class _Stream:
@@ -104,7 +196,9 @@ class _Stream:
             "model": self.p.model,
             "choices": [choice] if choice else [],
         }
-        return _dumps(base | extra)
+        if self.p.include_usage:
+            base["usage"] = None  # the spec: null on every chunk but the last
+        return dumps(base | extra)
 
     def _take_logprobs(self) -> dict[str, Any] | None:
         """The logprobs not yet sent, in this endpoint's shape (None when not asked for)."""
@@ -117,8 +211,9 @@ class _Stream:
         self.sent += sum(len(e.token) for e in entries)
         return out
 
-    def text_chunk(self, ev: TextChunk | None, final: bool = False) -> str | None:
-        """A chunk for new text (None when nothing is to be sent yet)."""
+    def text_chunk(self, ev: TextChunk | None, finish: str | None = None) -> str | None:
+        """A chunk for new text, or for the held-back rest once the output ended with
+        ``finish`` (None when nothing is to be sent yet)."""
         text = ev.text if ev is not None else ""
         if self.logprobs is not None and ev is not None:
             self.logprobs += ev.logprobs or []
@@ -127,7 +222,10 @@ class _Stream:
                 return None
             choice = {"index": 0, "text": text, "logprobs": self._take_logprobs()}
             return self.chunk(choice | {"finish_reason": None})
-        reasoning, content, calls = self.chat.feed(text, final)
+        if finish is None:
+            reasoning, content, calls = self.chat.feed(text)
+        else:
+            reasoning, content, calls = self.chat.finish(finish)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
@@ -144,12 +242,12 @@ class _Stream:
 
     def final_chunk(self, done: Finished) -> str:
         key, empty = ("delta", {}) if self.chat is not None else ("text", "")
-        reason = done.finish_reason
+        reason, stats = done.finish_reason, done.stats
         if self.chat is not None:
-            reason = self.chat.finish_reason(reason)
+            reason, stats = self.chat.finish_reason(reason), self.chat.stats(stats)
         logprobs = self._take_logprobs() if self.logprobs else None
         choice = {"index": 0, key: empty, "logprobs": logprobs, "finish_reason": reason}
-        return self.chunk(choice, dflash=done.stats)
+        return self.chunk(choice, dflash=stats)
 
     async def events(self) -> AsyncIterator[str]:
         if self.chat is not None:
@@ -162,32 +260,20 @@ class _Stream:
                     "finish_reason": None,
                 }
             )
-        last_sent = 0.0
-        try:
-            while True:
-                # At most one event per `interval` while tokens flow fast: each SSE event costs
-                # the event loop far more than a token of text, and 20 ms is below perception.
-                batch = await self.job.next_events(hold_until=last_sent + self.interval)
-                if not batch:
-                    break
-                last_sent = time.monotonic()
-                for ev in batch:
-                    if isinstance(ev, TextChunk):
-                        if (data := self.text_chunk(ev)) is not None:
-                            yield data
-                    elif isinstance(ev, Finished):
-                        if self.chat is not None and (data := self.text_chunk(None, True)):
-                            yield data
-                        yield self.final_chunk(ev)
-                        if self.p.include_usage:
-                            yield self.chunk({}, usage=_usage(ev))
-                    elif isinstance(ev, Failed):
-                        yield _dumps(_error(ev))
-            yield DONE
-        finally:
-            # Runs on normal end and when the client disconnects (the task is cancelled):
-            # a still-running job stops at its next cycle and frees the worker.
-            self.job.cancel()
+        async with aclosing(job_events(self.job, interval=self.interval)) as events:
+            async for ev in events:
+                if isinstance(ev, TextChunk):
+                    if (data := self.text_chunk(ev)) is not None:
+                        yield data
+                elif isinstance(ev, Finished):
+                    if self.chat is not None and (data := self.text_chunk(None, ev.finish_reason)):
+                        yield data
+                    yield self.final_chunk(ev)
+                    if self.p.include_usage:
+                        yield self.chunk({}, usage=usage(ev))
+                elif isinstance(ev, Failed):
+                    yield dumps(_error(ev))
+        yield DONE
 
 
 def stream_response(
@@ -207,41 +293,18 @@ async def collect_response(
     is_disconnected: Callable[[], Awaitable[bool]],
 ) -> dict[str, Any] | None:
     """Run a job to the end and build the whole response; None if the client went away."""
-    parts: list[str] = []
-    entries: list[TokenLogprob] = []
-    done: Finished | None = None
-    next_check = time.monotonic() + DISCONNECT_POLL_S
-    try:
-        while done is None:
-            batch = await job.next_events(timeout=DISCONNECT_POLL_S)
-            if time.monotonic() >= next_check:  # by the clock: events may never pause
-                if await is_disconnected():
-                    return None
-                next_check = time.monotonic() + DISCONNECT_POLL_S
-            if batch is None:
-                continue
-            if not batch:
-                break
-            for ev in batch:
-                if isinstance(ev, TextChunk):
-                    parts.append(ev.text)
-                    entries += ev.logprobs or []
-                elif isinstance(ev, Finished):
-                    done = ev
-                elif isinstance(ev, Failed):
-                    raise APIError(ev.status, ev.message, code=ev.code)
-    finally:
-        job.cancel()
-    assert done is not None
-    text = "".join(parts)
+    out = await run_job(job, is_disconnected)
+    if out is None:
+        return None
+    done, entries = out.done, out.logprobs
     rid = uuid.uuid4().hex
-    common = {"created": int(time.time()), "model": prepared.model, "usage": _usage(done)}
+    common = {"created": int(time.time()), "model": prepared.model, "usage": usage(done)}
     asked = prepared.request.logprobs is not None
     if prepared.kind == "completion":
         logprobs = completion_logprobs(entries) if asked else None
         choice = {
             "index": 0,
-            "text": text,
+            "text": out.text,
             "logprobs": logprobs,
             "finish_reason": done.finish_reason,
         }
@@ -251,8 +314,10 @@ async def collect_response(
             | {"dflash": done.stats}
         )
     chat = ChatText(prepared, tokenizer)
-    reasoning, content, calls = chat.feed(text, final=True)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    reasoning, content, calls = chat.feed(out.text)
+    r, c, more = chat.finish(done.finish_reason)
+    reasoning, content, calls = reasoning + r, content + c, calls + more
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if calls:
         # OpenAI sends null content beside tool calls unless the model also said something.
         message["content"] = content.strip() or None
@@ -269,5 +334,5 @@ async def collect_response(
     return (
         {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": [choice]}
         | common
-        | {"dflash": done.stats}
+        | {"dflash": chat.stats(done.stats)}
     )

@@ -8,8 +8,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
+from dflash_server.api import anthropic_events, openai_responses_events
+from dflash_server.api.anthropic import CountTokensRequest, MessagesRequest
+from dflash_server.api.anthropic import to_chat as anthropic_chat
 from dflash_server.api.errors import APIError
-from dflash_server.api.prepare import Prepared, check_model, prepare_chat, prepare_completion
+from dflash_server.api.openai_responses import ResponsesRequest, Stored, input_messages, previous
+from dflash_server.api.openai_responses import to_chat as responses_chat
+from dflash_server.api.prepare import (
+    Prepared,
+    check_model,
+    prepare_chat,
+    prepare_completion,
+    render_messages,
+)
 from dflash_server.api.responses import collect_response, stream_response
 from dflash_server.api.types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dflash_server.engine.jobs import EngineNotReady, Job, QueueFull
@@ -30,8 +41,10 @@ router = APIRouter()
 public = APIRouter()
 
 
-def _submit(engine: Engine, prepared: Prepared) -> Job:
-    job = Job(prepared.request)
+def _submit(request: Request, prepared: Prepared, endpoint: str) -> Job:
+    engine = _engine(request)
+    metrics = request.app.state.metrics
+    job = Job(prepared.request) if metrics is None else metrics.job(prepared.request, endpoint)
     try:
         engine.submit(job)
     except QueueFull as exc:
@@ -46,33 +59,101 @@ def _submit(engine: Engine, prepared: Prepared) -> Job:
     return job
 
 
-async def _respond(request: Request, prepared: Prepared) -> Response:
-    engine = _engine(request)
-    job = _submit(engine, prepared)
-    tokenizer = engine.models.tokenizer if engine.models else None
-    if prepared.stream:
-        return EventSourceResponse(
-            stream_response(prepared, job, tokenizer, _settings(request).stream_interval),
-            ping=_settings(request).keepalive,
-            sep="\n",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    body = await collect_response(prepared, job, tokenizer, request.is_disconnected)
+def _tokenizer(request: Request) -> Any:
+    models = _engine(request).models
+    return models.tokenizer if models else None
+
+
+def _events(request: Request, content: Any, **kwargs: Any) -> EventSourceResponse:
+    return EventSourceResponse(
+        content,
+        ping=_settings(request).keepalive,
+        sep="\n",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        **kwargs,
+    )
+
+
+def _json(body: dict[str, Any] | None) -> Response:
     if body is None:  # client is gone; nobody reads this
         return Response(status_code=499)
     return JSONResponse(body)
 
 
+async def _respond(request: Request, prepared: Prepared, endpoint: str) -> Response:
+    job = _submit(request, prepared, endpoint)
+    tokenizer = _tokenizer(request)
+    if prepared.stream:
+        interval = _settings(request).stream_interval
+        return _events(request, stream_response(prepared, job, tokenizer, interval))
+    return _json(await collect_response(prepared, job, tokenizer, request.is_disconnected))
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     prepared = await prepare_chat(body, _settings(request), _engine(request))
-    return await _respond(request, prepared)
+    return await _respond(request, prepared, "chat")
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     prepared = await prepare_completion(body, _settings(request), _engine(request))
-    return await _respond(request, prepared)
+    return await _respond(request, prepared, "completions")
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    """Anthropic Messages (see api/anthropic.py)."""
+    prepared = await prepare_chat(anthropic_chat(body), _settings(request), _engine(request))
+    job = _submit(request, prepared, "messages")
+    stops, tokenizer = body.stop_sequences, _tokenizer(request)
+    if prepared.stream:
+        interval = _settings(request).stream_interval
+        stream = anthropic_events.stream_messages(prepared, job, tokenizer, stops, interval)
+        return _events(request, stream, ping_message_factory=anthropic_events.ping)
+    return _json(
+        await anthropic_events.collect_message(
+            prepared, job, tokenizer, stops, request.is_disconnected
+        )
+    )
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    chat = await render_messages(anthropic_chat(body), _settings(request), _engine(request))
+    return {"input_tokens": len(chat.prompt.tokens)}
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI Responses (see api/openai_responses.py)."""
+    store = request.app.state.responses
+    conversation = previous(store, body.previous_response_id) + input_messages(body.input)
+    chat = responses_chat(body, conversation)
+    prepared = await prepare_chat(chat, _settings(request), _engine(request))
+    job = _submit(request, prepared, "responses")
+    run = openai_responses_events.ResponseRun(prepared, job, _tokenizer(request), body)
+
+    def keep() -> None:
+        if body.store is not False and run.final is not None:
+            answer = run.shaper.assistant_message()
+            store.put(run.final["id"], Stored(run.final, [*conversation, answer]))
+
+    if prepared.stream:
+        interval = _settings(request).stream_interval
+        return _events(request, openai_responses_events.stream_events(run, interval, keep))
+    if not await openai_responses_events.collect(run, request.is_disconnected):
+        return Response(status_code=499)
+    keep()
+    return JSONResponse(run.final)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    found = request.app.state.responses.get(response_id)
+    if found is None:
+        raise APIError(404, f"response {response_id!r} not found", param="response_id")
+    return found.response
 
 
 @router.get("/v1/models", response_model=ModelList)

@@ -69,7 +69,7 @@ class SamplingFields(_SamplingOverrides):
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-1, le=MAX_SEED, description="-1: random (llama.cpp)")
-    stream: bool = False
+    stream: bool | None = Field(False, description="null: false")
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
     logprobs: Any = None
@@ -96,11 +96,12 @@ class StreamOptions(BaseModel):
 
 
 class TextPart(BaseModel):
-    """A content part; only ``{"type": "text"}`` parts are supported."""
+    """A content part; ``text`` parts, and ``refusal`` parts of earlier assistant answers."""
 
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -119,7 +120,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     enable_thinking: bool | None = Field(None, description="shortcut for chat_template_kwargs")
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = Field(None, description="'none' turns thinking off")
+    reasoning_effort: str | None = Field(
+        None, description="'none'/'minimal': no thinking; low/medium/high: thinking budgets"
+    )
+    thinking_budget: int | None = Field(
+        None, ge=0, le=MAX_INT, description="most reasoning tokens before the answer"
+    )
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None

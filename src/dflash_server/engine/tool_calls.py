@@ -12,7 +12,8 @@ The format (FACTS §6)::
 
 Values are raw text; their JSON type comes from the function's parameter schema. A call is
 emitted whole once its closing tag arrives, so a malformed call can still fall back to plain text
-(with a logged warning) instead of half-sent arguments. One parser per request.
+(with a logged warning) instead of half-sent arguments; an unfinished one (cut by max_tokens) is
+dropped, never returned as markup. One parser per request.
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ class ToolCallParser:
         self.schemas = tool_schemas(tools)
         self.parallel = parallel
         self.calls: list[ToolCall] = []
+        self.dropped = 0  # unfinished calls left out at the end
         self._buf = ""
         self._in_call = False
         self._space = ""  # whitespace after a call, kept until we know text follows
@@ -200,15 +202,24 @@ class ToolCallParser:
                 self._in_call = False
                 self._call(body, out)
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut: bool = False) -> list[Piece]:
+        """The rest, at the end of the output; ``cut``: it ended at max_tokens.
+
+        An unclosed call is never returned as markup: parsed if it got as far as
+        ``</function>`` (the model may stop right there), else dropped and counted in
+        ``dropped``. So is a ``<tool_call>`` tag prefix when the output was cut.
+        """
         out: list[Piece] = []
         if self._in_call:
-            # The model may stop right after </function>; without it the call is unusable.
             body, self._buf, self._in_call = self._buf, "", False
-            if "</function>" in body:
-                self._call(body, out)
+            call = parse_call(body, self.schemas) if "</function>" in body else None
+            if call is None:
+                self.dropped += 1
+                log.warning("unfinished tool call dropped (%s)", "max_tokens" if cut else "ended")
             else:
-                self._malformed(body, out, "unterminated")
+                self._accept(call, out)
+        elif cut and self._buf and CALL_START.startswith(self._buf):
+            self._buf = ""
         self._text(self._buf, out)
         self._buf = ""
         return out
@@ -226,8 +237,11 @@ class ToolCallParser:
     def _call(self, body: str, out: list[Piece]) -> None:
         call = parse_call(body, self.schemas)
         if call is None:
-            self._malformed(body, out, "malformed")
+            self._malformed(body, out)
             return
+        self._accept(call, out)
+
+    def _accept(self, call: ToolCall, out: list[Piece]) -> None:
         self._space = ""
         if self.calls and not self.parallel:
             log.warning("parallel_tool_calls is false: dropping extra call to %r", call.name)
@@ -235,11 +249,11 @@ class ToolCallParser:
         self.calls.append(call)
         out.append(call)
 
-    def _malformed(self, body: str, out: list[Piece], why: str) -> None:
-        raw = CALL_START + body + (CALL_END if why == "malformed" else "")
+    def _malformed(self, body: str, out: list[Piece]) -> None:
+        raw = CALL_START + body + CALL_END
         # Model text can quote the prompt: it reaches the log only at debug level.
-        log.warning("%s tool call from the model, returned as text", why)
-        log.debug("the %s tool call: %r", why, raw[:200])
+        log.warning("malformed tool call from the model, returned as text")
+        log.debug("the malformed tool call: %r", raw[:200])
         if self.calls:
             raw, self._space = self._space + raw, ""
         out.append(raw)

@@ -1,0 +1,224 @@
+"""The Anthropic Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``).
+
+Requests: a thin translation. A Messages request becomes the chat request it means (system,
+messages with their tool calls and results, tools, tool_choice, thinking), which
+``prepare_chat`` turns into the same ``GenerationRequest`` as ``/v1/chat/completions``: same
+template, speculation, grammar and thinking budget. The answer is shaped in
+``anthropic_events.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dflash_server.api.errors import APIError
+from dflash_server.api.prepare import chat_request
+from dflash_server.api.types import ChatCompletionRequest, _Request
+from dflash_server.generation.sampling import MAX_INT
+
+# DFlash and sampling extensions a Messages request may carry as extra fields.
+_EXTENSIONS = ("block_size", "speculative", "seed", "min_p", "repetition_penalty")
+_EXTENSIONS += ("presence_penalty", "frequency_penalty")
+
+
+class Block(BaseModel):
+    """A content block: ``text``, ``tool_use``, ``tool_result``, ``thinking`` (others: 400)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None  # thinking (its signature is ignored)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # None or "custom"; server tools (web search, ...) are refused
+
+
+class Thinking(BaseModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0, le=MAX_INT)
+
+
+class CountTokensRequest(_Request):
+    """``/v1/messages/count_tokens``: what the prompt of a Messages request would hold."""
+
+    model: str | None = None
+    messages: list[Message] = Field(..., min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(..., ge=1, le=MAX_INT)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None  # user_id: ignored
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _non_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(not s for s in value):
+            raise ValueError("stop sequences must be non-empty")
+        return value
+
+
+# ----- request -> chat request -------------------------------------------------------------
+
+
+def _unsupported(kind: str, where: str) -> APIError:
+    return APIError(
+        400,
+        f"{where}: content block type {kind!r} is not supported (text, tool_use, tool_result "
+        "and thinking are)",
+        param=where,
+        code="unsupported_content",
+    )
+
+
+def _text(blocks: str | list[Any] | None, where: str) -> str:
+    """The text of a string or a list of text blocks (as dicts or Blocks)."""
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    texts = []
+    for block in blocks:
+        b = block if isinstance(block, dict) else block.model_dump()
+        if b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise _unsupported(str(b.get("type")), where)
+        texts.append(b["text"])
+    return "\n\n".join(texts)
+
+
+def _user_messages(msg: Message, where: str) -> list[dict[str, Any]]:
+    """A user turn: its tool results as tool messages, its text as a user message."""
+    if isinstance(msg.content, str):
+        return [{"role": "user", "content": msg.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(msg.content):
+        if block.type == "text":
+            texts.append(block.text or "")
+        elif block.type == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            result = _text(block.content, f"{where}.content.{j}.content")
+            if block.is_error:
+                result = f"Error: {result}"
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
+        else:
+            raise _unsupported(block.type, f"{where}.content.{j}")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_message(msg: Message, where: str) -> dict[str, Any]:
+    """An assistant turn: text, reasoning and tool calls, as the chat template renders them."""
+    if isinstance(msg.content, str):
+        return {"role": "assistant", "content": msg.content}
+    texts, thoughts, calls = [], [], []
+    for j, block in enumerate(msg.content):
+        if block.type == "text":
+            texts.append(block.text or "")
+        elif block.type == "thinking":
+            thoughts.append(block.thinking or "")
+        elif block.type == "tool_use":
+            if not block.name or not isinstance(block.input, dict | None):
+                raise APIError(
+                    400,
+                    "tool_use blocks need a name and an object input",
+                    param=f"{where}.content.{j}",
+                )
+            function = {"name": block.name, "arguments": block.input or {}}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif block.type != "redacted_thinking":
+            raise _unsupported(block.type, f"{where}.content.{j}")
+    out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        out["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _tool_policy(req: CountTokensRequest) -> dict[str, Any]:
+    tools = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.type not in (None, "custom"):
+            raise APIError(
+                400,
+                f"tool type {tool.type!r} is not supported: only client tools with an "
+                "input_schema are",
+                param=f"tools.{i}",
+                code="unsupported_tool",
+            )
+        function = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
+        if tool.description:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    out: dict[str, Any] = {"tools": tools or None}
+    choice = req.tool_choice or {"type": "auto"}
+    kind = choice.get("type")
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        mapped = {"type": "function", "function": {"name": choice.get("name")}}
+    if mapped is None:
+        raise APIError(
+            400,
+            "tool_choice.type must be 'auto', 'any', 'tool' (with a name) or 'none'",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if tools:
+        out["tool_choice"] = mapped
+    if choice.get("disable_parallel_tool_use"):
+        out["parallel_tool_calls"] = False
+    return out
+
+
+def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request a Messages (or count_tokens) request means."""
+    messages: list[dict[str, Any]] = []
+    system = _text(req.system, "system") if req.system is not None else ""
+    if system:
+        messages.append({"role": "system", "content": system})
+    for i, msg in enumerate(req.messages):
+        where = f"messages.{i}"
+        if msg.role == "user":
+            messages += _user_messages(msg, where)
+        else:
+            messages.append(_assistant_message(msg, where))
+    data: dict[str, Any] = {"model": req.model, "messages": messages, **_tool_policy(req)}
+    if req.thinking is not None:
+        data["enable_thinking"] = req.thinking.type != "disabled"
+        if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
+            data["thinking_budget"] = req.thinking.budget_tokens
+    if isinstance(req, MessagesRequest):
+        data |= {"max_tokens": req.max_tokens, "stream": req.stream}
+        data |= {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+    extra = req.model_extra or {}
+    data |= {k: extra[k] for k in _EXTENSIONS if k in extra}
+    return chat_request(data)

@@ -1,0 +1,235 @@
+"""Anthropic Messages answers: ``thinking``, ``text`` and ``tool_use`` blocks, whole or streamed.
+
+The model's text is split by ``ChatText`` (tool calls cut out, reasoning apart) into Anthropic
+content blocks; the stream is Anthropic's event sequence (``message_start``, ``ping``, per block
+``content_block_start``/``_delta``/``_stop``, ``message_delta``, ``message_stop``).
+
+Stop sequences are matched here, not in the engine, so the answer can say which one ended it
+(``stop_reason: "stop_sequence"``, ``stop_sequence``); the job is cancelled at the match, and
+``output_tokens`` then counts the tokens generated up to the event that held it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+from sse_starlette import ServerSentEvent
+
+from dflash_server.api.errors import APIError, anthropic_error
+from dflash_server.api.prepare import Prepared
+from dflash_server.api.responses import ChatText, ClientGone, dumps, job_events
+from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
+from dflash_server.engine.tool_calls import ToolCall
+
+
+class _StopScan:
+    """Finds the first stop sequence in streamed text; holds back what may become one."""
+
+    def __init__(self, stops: list[str] | None) -> None:
+        self.stops = list(stops or [])
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+        self.hit: str | None = None
+
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        buf = self.pending + text
+        found = [(buf.find(s), s) for s in self.stops if s in buf]
+        if found:
+            at, self.hit = min(found)
+            self.pending = ""
+            return buf[:at]
+        cut = max(0, len(buf) - self.hold)
+        self.pending = buf[cut:]
+        return buf[:cut]
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+Event = tuple[str, dict[str, Any]]  # (event name, payload)
+
+
+class MessageShaper:
+    """Model text -> Anthropic content blocks, and the stream events that build them."""
+
+    def __init__(self, prepared: Prepared, tokenizer: Any, stops: list[str] | None) -> None:
+        self.chat = ChatText(prepared, tokenizer)
+        self.stops = _StopScan(stops)
+        self.blocks: list[dict[str, Any]] = []
+        self.open: str | None = None  # type of the block being written ("thinking", "text")
+        self.tokens = 0
+
+    def feed(self, ev: TextChunk) -> list[Event]:
+        self.tokens += ev.tokens
+        return self._pieces(*self.chat.feed(self.stops.feed(ev.text)))
+
+    def finish(self, reason: str) -> list[Event]:
+        events = self._pieces(*self.chat.feed(self.stops.flush())) if not self.stops.hit else []
+        events += self._pieces(*self.chat.finish("stop" if self.stops.hit else reason))
+        return events + self._close()
+
+    def stop_reason(self, reason: str) -> str:
+        if self.stops.hit is not None:
+            return "stop_sequence"
+        if reason == "length":
+            return "max_tokens"
+        return "tool_use" if self.chat.called else "end_turn"
+
+    def _pieces(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[Event]:
+        events = self._append("thinking", reasoning) + self._append("text", content)
+        for call in calls:
+            events += self._close()
+            block = {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}"}
+            block |= {"name": call.name, "input": json.loads(call.arguments)}
+            self.blocks.append(block)
+            index = len(self.blocks) - 1
+            events += [
+                _start(index, block | {"input": {}}),
+                _delta(index, {"type": "input_json_delta", "partial_json": call.arguments}),
+                ("content_block_stop", {"type": "content_block_stop", "index": index}),
+            ]
+        return events
+
+    def _append(self, kind: str, text: str) -> list[Event]:
+        if not text:
+            return []
+        events: list[Event] = []
+        if self.open != kind:
+            events += self._close()
+            block = {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {})
+            self.blocks.append(block)
+            self.open = kind
+            events.append(_start(len(self.blocks) - 1, dict(block)))
+        self.blocks[-1][kind] += text
+        delta_type = "thinking_delta" if kind == "thinking" else "text_delta"
+        return [*events, _delta(len(self.blocks) - 1, {"type": delta_type, kind: text})]
+
+    def _close(self) -> list[Event]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [
+            ("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})
+        ]
+
+
+def _start(index: int, block: dict[str, Any]) -> Event:
+    return "content_block_start", {
+        "type": "content_block_start",
+        "index": index,
+        "content_block": block,
+    }
+
+
+def _delta(index: int, delta: dict[str, Any]) -> Event:
+    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+def _usage(prepared: Prepared, output_tokens: int, done: Finished | None) -> dict[str, int]:
+    """Anthropic counts cache reads apart: input_tokens is what had to be prefilled."""
+    cached = done.cached_tokens if done is not None else 0
+    return {
+        "input_tokens": len(prepared.request.prompt) - cached,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+class _Run:
+    """One Messages request against its job: the events, and the whole message at the end."""
+
+    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any, stops: list[str] | None):
+        self.p, self.job = prepared, job
+        self.shaper = MessageShaper(prepared, tokenizer, stops)
+        self.message = {
+            "id": f"msg_{uuid.uuid4().hex}",
+            "type": "message",
+            "role": "assistant",
+            "model": prepared.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(prepared, 0, None),
+        }
+
+    async def events(
+        self,
+        interval: float = 0.0,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[Event]:
+        """The stream's events; at the end ``self.message`` is the whole answer."""
+        yield "message_start", {"type": "message_start", "message": dict(self.message)}
+        yield "ping", {"type": "ping"}
+        done: Finished | None = None
+        events = job_events(self.job, interval=interval, is_disconnected=is_disconnected)
+        async with aclosing(events) as stream:
+            async for ev in stream:
+                if isinstance(ev, TextChunk):
+                    for event in self.shaper.feed(ev):
+                        yield event
+                    if self.shaper.stops.hit is not None:
+                        break  # the job is cancelled as the loop ends
+                elif isinstance(ev, Finished):
+                    done = ev
+                elif isinstance(ev, Failed):
+                    if is_disconnected is not None:
+                        raise APIError(ev.status, ev.message, code=ev.code)
+                    yield "error", anthropic_error(ev.status, ev.message)
+                    return
+        reason = done.finish_reason if done is not None else "stop"
+        for event in self.shaper.finish(reason):
+            yield event
+        tokens = done.completion_tokens if done is not None else self.shaper.tokens
+        self.message |= {
+            "content": self.shaper.blocks,
+            "stop_reason": self.shaper.stop_reason(reason),
+            "stop_sequence": self.shaper.stops.hit,
+            "usage": _usage(self.p, tokens, done),
+        }
+        if done is not None:
+            self.message["dflash"] = self.shaper.chat.stats(done.stats)
+        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": self.shaper.stops.hit}
+        yield (
+            "message_delta",
+            {"type": "message_delta", "delta": delta, "usage": self.message["usage"]},
+        )
+        yield "message_stop", {"type": "message_stop"}
+
+
+async def stream_messages(
+    prepared: Prepared, job: Job, tokenizer: Any, stops: list[str] | None, interval: float
+) -> AsyncIterator[ServerSentEvent]:
+    """A Messages stream as server-sent events (``event:`` names and JSON data)."""
+    async for name, payload in _Run(prepared, job, tokenizer, stops).events(interval):
+        yield ServerSentEvent(data=dumps(payload), event=name)
+
+
+def ping() -> ServerSentEvent:
+    """Anthropic's keepalive event (sent while a long prompt is prefilled)."""
+    return ServerSentEvent(data='{"type":"ping"}', event="ping")
+
+
+async def collect_message(
+    prepared: Prepared,
+    job: Job,
+    tokenizer: Any,
+    stops: list[str] | None,
+    is_disconnected: Callable[[], Awaitable[bool]],
+) -> dict[str, Any] | None:
+    """The whole message; None if the client went away."""
+    run = _Run(prepared, job, tokenizer, stops)
+    try:
+        async with aclosing(run.events(is_disconnected=is_disconnected)) as events:
+            async for _ in events:
+                pass
+    except ClientGone:
+        return None
+    return run.message

@@ -1,0 +1,253 @@
+"""Prometheus metrics at ``GET /metrics`` and the ``x-request-id`` header on every response.
+
+Requests are counted by endpoint and status by an ASGI middleware (which also names each
+request: the client's ``x-request-id`` when it is a plain token, else a new one). Generation
+metrics come from the jobs themselves: ``MeteredJob`` records its events as the engine's worker
+emits them (time to first token, per-token latency, tokens, tau and acceptance, outcome), and
+queue depth, active requests and the prefix cache's counters are read at each scrape. Each app
+has its own registry, so several servers in one process (tests) do not share counters.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
+from dflash_server.engine.worker import Engine
+from dflash_server.generation.request import GenerationRequest
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
+_TAU = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16)
+_RATE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
+
+# Paths with a label of their own; anything else is counted as "other" (bounded cardinality).
+_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
+_PREFIXES = (("/v1/models/", "/v1/models/{id}"), ("/v1/responses/", "/v1/responses/{id}"))
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def endpoint_label(path: str) -> str:
+    if path in _ENDPOINTS:
+        return path
+    for prefix, label in _PREFIXES:
+        if path.startswith(prefix):
+            return label
+    return "other"
+
+
+class Metrics:
+    """The server's metrics, in one registry."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.registry = r = CollectorRegistry()
+        by_endpoint = ["endpoint"]
+        self.requests = Counter(
+            "dflash_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.generations = Counter(
+            "dflash_generations",
+            "generations by endpoint and outcome (finish reason, failed, cancelled)",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "dflash_prompt_tokens", "prompt tokens of finished generations", by_endpoint, registry=r
+        )
+        self.generated_tokens = Counter(
+            "dflash_generated_tokens", "tokens generated", by_endpoint, registry=r
+        )
+        self.cached_tokens = Counter(
+            "dflash_cached_prompt_tokens",
+            "prompt tokens restored from the prefix cache",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "dflash_time_to_first_token_seconds",
+            "submit to first text, queue wait and prefill included",
+            by_endpoint,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.per_token = Histogram(
+            "dflash_time_per_output_token_seconds",
+            "mean time per token after the first, per generation",
+            by_endpoint,
+            buckets=_PER_TOKEN,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "dflash_generation_duration_seconds",
+            "submit to last event",
+            by_endpoint,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "dflash_queue_wait_seconds",
+            "time waiting for an active slot",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tau = Histogram(
+            "dflash_tau",
+            "tokens committed per target forward, per generation",
+            buckets=_TAU,
+            registry=r,
+        )
+        self.acceptance = Histogram(
+            "dflash_acceptance_rate",
+            "share of drafted tokens accepted, per generation",
+            buckets=_RATE,
+            registry=r,
+        )
+        self.accepted = Histogram(
+            "dflash_accepted_drafts",
+            "drafted tokens accepted per cycle",
+            buckets=tuple(range(16)),
+            registry=r,
+        )
+        self.block_size = Histogram(
+            "dflash_block_size",
+            "verify width per generation (1: plain decoding)",
+            buckets=_SIZES,
+            registry=r,
+        )
+        waiting = Gauge("dflash_queue_depth", "requests waiting for an active slot", registry=r)
+        waiting.set_function(lambda: max(0, engine.queue_depth - engine.active))
+        active = Gauge("dflash_active_requests", "requests generating now", registry=r)
+        active.set_function(lambda: engine.active)
+        r.register(_PrefixCacheCollector(engine))
+
+    def job(self, request: GenerationRequest, endpoint: str) -> MeteredJob:
+        return MeteredJob(request, self, endpoint)
+
+    def finished(self, job: MeteredJob, done: Finished, now: float) -> None:
+        e = job.endpoint
+        self.generations.labels(e, done.finish_reason).inc()
+        self.prompt_tokens.labels(e).inc(done.prompt_tokens)
+        self.generated_tokens.labels(e).inc(done.completion_tokens)
+        self.cached_tokens.inc(done.cached_tokens)
+        self.duration.labels(e).observe(now - job.created)
+        if job.first_text is not None and done.completion_tokens > 1:
+            self.per_token.labels(e).observe((now - job.first_text) / (done.completion_tokens - 1))
+        stats = done.stats
+        if "queue_wait_s" in stats:
+            self.queue_wait.observe(stats["queue_wait_s"])
+        self.block_size.observe(job.request.block_size)
+        if job.request.speculative and stats.get("cycles"):
+            self.tau.observe(stats["tau"])
+            self.acceptance.observe(stats["acceptance_rate"])
+            for accepted, cycles in enumerate(stats.get("acceptance_histogram") or []):
+                for _ in range(cycles):  # no bulk observe in prometheus_client
+                    self.accepted.observe(accepted)
+
+
+class MeteredJob(Job):
+    """A Job that records its events in ``Metrics`` as the worker emits them (thread-safe)."""
+
+    def __init__(self, request: GenerationRequest, metrics: Metrics, endpoint: str) -> None:
+        super().__init__(request)
+        self.metrics, self.endpoint = metrics, endpoint
+        self.first_text: float | None = None
+
+    def emit(self, event: Event) -> None:
+        now = time.monotonic()
+        if isinstance(event, TextChunk) and self.first_text is None and event.tokens:
+            self.first_text = now
+            self.metrics.ttft.labels(self.endpoint).observe(now - self.created)
+        elif isinstance(event, Finished):
+            self.metrics.finished(self, event, now)
+        elif isinstance(event, Failed):
+            outcome = "cancelled" if self.cancelled else "failed"
+            self.metrics.generations.labels(self.endpoint, outcome).inc()
+        super().emit(event)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's own counters, read at scrape time (nothing when there is none)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        cache = getattr(self.engine, "prefix_cache", None)
+        if cache is None:
+            return
+        stats = cache.stats()
+        for name in ("hits", "misses"):
+            if name in stats:
+                yield CounterMetricFamily(
+                    f"dflash_prefix_cache_{name}", f"prefix cache lookups ({name})", stats[name]
+                )
+        for name in ("entries", "bytes", "budget_bytes"):
+            if name in stats:
+                yield GaugeMetricFamily(
+                    f"dflash_prefix_cache_{name}", f"prefix cache {name}", stats[name]
+                )
+
+
+class RequestMetrics:
+    """ASGI middleware: a request id on every response, and requests counted by status."""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics | None) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.metrics is not None:
+                label = endpoint_label(scope["path"])
+                self.metrics.requests.labels(label, str(status)).inc()
+
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    registry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

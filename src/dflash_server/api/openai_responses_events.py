@@ -1,0 +1,255 @@
+"""OpenAI Responses answers: ``reasoning``, ``message`` and ``function_call`` output items.
+
+The model's text is split by ``ChatText`` (tool calls cut out, reasoning apart) into output
+items; the stream is the Responses event sequence: ``response.created``,
+``response.in_progress``, per item ``response.output_item.added``, its parts and deltas
+(``response.reasoning_text.delta``, ``response.output_text.delta``,
+``response.function_call_arguments.delta``) and their ``.done`` events,
+``response.output_item.done``; then ``response.completed`` (``response.incomplete`` when
+``max_output_tokens`` cut it, ``response.failed`` on an error). Every event has a
+``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+from sse_starlette import ServerSentEvent
+
+from dflash_server.api.errors import APIError
+from dflash_server.api.openai_responses import ResponsesRequest
+from dflash_server.api.prepare import Prepared
+from dflash_server.api.responses import ChatText, ClientGone, dumps, job_events
+from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
+from dflash_server.engine.tool_calls import ToolCall
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as a response echoes it (every field the spec requires)."""
+    out = {"type": "function", "name": tool.get("name"), "description": tool.get("description")}
+    return out | {"parameters": tool.get("parameters"), "strict": tool.get("strict", False)}
+
+
+class ResponseShaper:
+    """Model text -> output items and the events that build them; one per response."""
+
+    def __init__(self, prepared: Prepared, tokenizer: Any, req: ResponsesRequest) -> None:
+        self.p, self.req = prepared, req
+        self.chat = ChatText(prepared, tokenizer)
+        self.id = _id("resp")
+        self.created = int(time.time())
+        self.items: list[dict[str, Any]] = []
+        self.open: str | None = None  # the item being written: "reasoning" or "message"
+        self.seq = 0
+        self.reasoning_tokens = 0
+
+    # ----- the response object -------------------------------------------------------------
+
+    def response(
+        self, status: str, done: Finished | None = None, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        req, sampling = self.req, self.p.request.sampling
+        fmt = (req.text.format if req.text is not None else None) or {"type": "text"}
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.p.model,
+            "output": [dict(item) for item in self.items],
+            "parallel_tool_calls": self.p.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None},
+            "store": req.store is not False,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "text": {"format": fmt},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [_tool(t) for t in req.tools or []],
+            "truncation": "disabled",
+            "metadata": req.metadata or {},
+        }
+        if status == "incomplete":
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if done is not None:  # (the spec's usage is not nullable: left out until known)
+            body["usage"] = {
+                "input_tokens": done.prompt_tokens,
+                "input_tokens_details": {
+                    "cached_tokens": done.cached_tokens,
+                    "cache_write_tokens": 0,
+                },
+                "output_tokens": done.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+            }
+            body["dflash"] = self.chat.stats(done.stats)
+        return body
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The output as one chat message, for the stored conversation."""
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        for item in self.items:
+            if item["type"] == "reasoning":
+                message["reasoning_content"] = item["content"][0]["text"]
+            elif item["type"] == "message":
+                message["content"] += item["content"][0]["text"]
+            else:
+                function = {"name": item["name"], "arguments": item["arguments"]}
+                call = {"id": item["call_id"], "type": "function", "function": function}
+                message.setdefault("tool_calls", []).append(call)
+        return message
+
+    # ----- events --------------------------------------------------------------------------
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def feed(self, ev: TextChunk) -> list[dict[str, Any]]:
+        if self.chat.splitter.in_reasoning:  # per event: the one holding </think> counts too
+            self.reasoning_tokens += ev.tokens
+        return self._pieces(*self.chat.feed(ev.text))
+
+    def finish(self, reason: str) -> list[dict[str, Any]]:
+        return self._pieces(*self.chat.finish(reason)) + self._close()
+
+    def _pieces(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        events = self._append("reasoning", reasoning) + self._append("message", content)
+        for call in calls:
+            events += self._close()
+            item = {"id": _id("fc"), "type": "function_call", "call_id": call.id}
+            item |= {"name": call.name, "arguments": "", "status": "in_progress"}
+            self.items.append(item)
+            at = {"item_id": item["id"], "output_index": len(self.items) - 1}
+            events.append(self.event("response.output_item.added", item=dict(item), **at))
+            item |= {"arguments": call.arguments, "status": "completed"}
+            events += [
+                self.event("response.function_call_arguments.delta", delta=call.arguments, **at),
+                self.event(
+                    "response.function_call_arguments.done",
+                    name=call.name,
+                    arguments=call.arguments,
+                    **at,
+                ),
+                self.event("response.output_item.done", output_index=at["output_index"], item=item),
+            ]
+        return events
+
+    def _part(self, kind: str) -> dict[str, Any]:
+        if kind == "reasoning":
+            return {"type": "reasoning_text", "text": ""}
+        return {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+
+    def _append(self, kind: str, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events: list[dict[str, Any]] = []
+        if self.open != kind:
+            events += self._close()
+            if kind == "reasoning":
+                item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
+            else:
+                item = {"id": _id("msg"), "type": "message", "role": "assistant", "content": []}
+            item["status"] = "in_progress"
+            self.items.append(item)
+            self.open = kind
+            at = {"output_index": len(self.items) - 1}
+            events.append(self.event("response.output_item.added", item=dict(item), **at))
+            item["content"] = [self._part(kind)]
+            at |= {"item_id": item["id"], "content_index": 0}
+            events.append(self.event("response.content_part.added", part=self._part(kind), **at))
+        item = self.items[-1]
+        item["content"][0]["text"] += text
+        at = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        if kind == "reasoning":
+            return [*events, self.event("response.reasoning_text.delta", delta=text, **at)]
+        delta = self.event("response.output_text.delta", delta=text, logprobs=[], **at)
+        return [*events, delta]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        kind, self.open = self.open, None
+        item = self.items[-1]
+        item["status"] = "completed"
+        part = item["content"][0]
+        at = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        if kind == "reasoning":
+            done = self.event("response.reasoning_text.done", text=part["text"], **at)
+        else:
+            done = self.event("response.output_text.done", text=part["text"], logprobs=[], **at)
+        return [
+            done,
+            self.event("response.content_part.done", part=dict(part), **at),
+            self.event("response.output_item.done", output_index=at["output_index"], item=item),
+        ]
+
+
+class ResponseRun:
+    """One Responses request against its job: its events, then ``final`` (the response)."""
+
+    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any, req: ResponsesRequest):
+        self.job = job
+        self.shaper = ResponseShaper(prepared, tokenizer, req)
+        self.final: dict[str, Any] | None = None
+
+    async def events(
+        self,
+        interval: float = 0.0,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        s = self.shaper
+        yield s.event("response.created", response=s.response("in_progress"))
+        yield s.event("response.in_progress", response=s.response("in_progress"))
+        events = job_events(self.job, interval=interval, is_disconnected=is_disconnected)
+        async with aclosing(events) as stream:
+            async for ev in stream:
+                if isinstance(ev, TextChunk):
+                    for event in s.feed(ev):
+                        yield event
+                elif isinstance(ev, Finished):
+                    for event in s.finish(ev.finish_reason):
+                        yield event
+                    status = "incomplete" if ev.finish_reason == "length" else "completed"
+                    self.final = s.response(status, ev)
+                    yield s.event(f"response.{status}", response=self.final)
+                elif isinstance(ev, Failed):
+                    if is_disconnected is not None:
+                        raise APIError(ev.status, ev.message, code=ev.code)
+                    error = {"code": "server_error", "message": ev.message}
+                    yield s.event("response.failed", response=s.response("failed", error=error))
+
+
+async def stream_events(
+    run: ResponseRun, interval: float, on_final: Callable[[], None]
+) -> AsyncIterator[ServerSentEvent]:
+    """A Responses stream as server-sent events (``event:`` names and JSON data);
+    ``on_final`` runs once the response is whole (before its last event goes out)."""
+    async for event in run.events(interval):
+        if event["type"] in ("response.completed", "response.incomplete"):
+            on_final()
+        yield ServerSentEvent(data=dumps(event), event=event["type"])
+
+
+async def collect(run: ResponseRun, is_disconnected: Callable[[], Awaitable[bool]]) -> bool:
+    """Run to the end (``run.final`` then holds the response); False if the client left."""
+    try:
+        async with aclosing(run.events(is_disconnected=is_disconnected)) as events:
+            async for _ in events:
+                pass
+    except ClientGone:
+        return False
+    return True
