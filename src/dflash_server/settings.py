@@ -187,6 +187,16 @@ class Settings(BaseSettings, _SamplingDefaults):
     prefill_step_size: int = Field(
         2048, gt=0, description="prompt chunk size for prefill (bounds peak memory)"
     )
+    prefix_cache: bool = Field(True, description="reuse earlier prompts' prefilled state")
+    prefix_cache_bytes: int | None = Field(
+        None, gt=0, description="RAM for the prefix cache (default: 1/8 of the machine's)"
+    )
+    prefix_cache_dir: str | None = Field(
+        None, description="folder for the prefix cache's disk tier (default: no disk tier)"
+    )
+    prefix_cache_disk_bytes: int = Field(
+        16 * 1024**3, gt=0, description="disk space the prefix cache's disk tier may use"
+    )
 
     # Generation defaults, used when a request leaves the field out
     block_size: int | None = Field(
@@ -253,6 +263,19 @@ class Settings(BaseSettings, _SamplingDefaults):
             return cls(**cli)
         finally:
             _BASE_PRESET.reset(token)
+
+    @property
+    def prefix_cache_budget(self) -> int:
+        """The prefix cache's RAM budget in bytes (0: off)."""
+        if not self.prefix_cache:
+            return 0
+        if self.prefix_cache_bytes is not None:
+            return self.prefix_cache_bytes
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - exotic platforms
+            memory = 16 * 1024**3
+        return memory // 8
 
     @property
     def model_id(self) -> str:

@@ -17,7 +17,9 @@ from dflash_server.api.metrics import router as metrics_router
 from dflash_server.api.openai_responses import ResponseStore
 from dflash_server.api.routes import public, router
 from dflash_server.api.web import web
-from dflash_server.engine.loader import LoadedModels, describe, load_models
+from dflash_server.engine.loader import LoadedModels, describe, load_models, models_fingerprint
+from dflash_server.engine.prefix_cache import PrefixCache
+from dflash_server.engine.prefix_disk import PrefixDisk
 from dflash_server.engine.worker import Engine, GenerateFn
 from dflash_server.settings import Settings
 
@@ -38,6 +40,8 @@ def build_engine(
     ``generate`` replaces ``stream_generate``, for tests.
     """
 
+    prefix_cache = PrefixCache(settings.prefix_cache_budget) if settings.prefix_cache else None
+
     def loader() -> LoadedModels:
         models = load_models(
             target_path or str(settings.target),
@@ -48,6 +52,16 @@ def build_engine(
         )
         for line in describe(models.summary).splitlines():
             log.info("%s", line)
+        if prefix_cache is None:
+            log.info("prefix cache: off")
+        else:
+            if settings.prefix_cache_dir:
+                prefix_cache.disk = PrefixDisk(
+                    settings.prefix_cache_dir,
+                    settings.prefix_cache_disk_bytes,
+                    models_fingerprint(models),
+                )
+            log.info("prefix cache: %s", prefix_cache.describe())
         log.info(
             "ready: serving %r at http://%s:%d/v1", settings.model_id, settings.host, settings.port
         )
@@ -60,6 +74,7 @@ def build_engine(
         prefill_step_size=settings.prefill_step_size,
         generate=generate,
         on_fatal=on_fatal,
+        prefix_cache=prefix_cache,
     )
 
 

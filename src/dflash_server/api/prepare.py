@@ -121,6 +121,7 @@ def _request(
         block_size=_block_size(req, settings, engine.models.draft),
         logprobs=requested_logprobs(req),
         reasoning=prompt.reasoning,
+        checkpoints=prompt.checkpoints,
         **extra,
     )
 

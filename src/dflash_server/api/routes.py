@@ -12,7 +12,7 @@ from dflash_server.api import anthropic_events, openai_responses_events
 from dflash_server.api.anthropic import CountTokensRequest, MessagesRequest
 from dflash_server.api.anthropic import to_chat as anthropic_chat
 from dflash_server.api.errors import APIError
-from dflash_server.api.openai_responses import ResponsesRequest, Stored, input_messages, previous
+from dflash_server.api.openai_responses import ResponsesRequest, Stored, conversation
 from dflash_server.api.openai_responses import to_chat as responses_chat
 from dflash_server.api.prepare import (
     Prepared,
@@ -128,8 +128,8 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI Responses (see api/openai_responses.py)."""
     store = request.app.state.responses
-    conversation = previous(store, body.previous_response_id) + input_messages(body.input)
-    chat = responses_chat(body, conversation)
+    so_far = conversation(store, body)
+    chat = responses_chat(body, so_far)
     prepared = await prepare_chat(chat, _settings(request), _engine(request))
     job = _submit(request, prepared, "responses")
     run = openai_responses_events.ResponseRun(prepared, job, _tokenizer(request), body)
@@ -137,7 +137,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     def keep() -> None:
         if body.store is not False and run.final is not None:
             answer = run.shaper.assistant_message()
-            store.put(run.final["id"], Stored(run.final, [*conversation, answer]))
+            store.put(run.final["id"], Stored(run.final, [*so_far, answer]))
 
     if prepared.stream:
         interval = _settings(request).stream_interval
@@ -190,6 +190,7 @@ async def health(request: Request) -> JSONResponse:
         "context_length": summary.get("context_length"),
         "queue_depth": engine.queue_depth,
         "max_queue": engine.max_queue,
+        "prefix_cache": engine.prefix_cache.stats() if engine.prefix_cache else None,
     }
     if engine.error:
         body["error"] = engine.error
