@@ -296,6 +296,30 @@ def build_target(
     return path
 
 
+def _tiny_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[str, Any]:
+    """Config fields of a tiny drafter that fits ``model``: taps spread over it, mask = last row."""
+    from dflash_server.models.target_parts import find_target_parts
+
+    parts = find_target_parts(model)
+    n, H = parts.num_layers, parts.hidden_size
+    return {
+        "hidden_size": H,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 2 * H,
+        "vocab_size": parts.vocab_size,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e7,
+        "max_position_embeddings": 32768,
+        "block_size": block_size,
+        "target_layer_ids": tuple(sorted({min(1, n - 1), n // 2, n - 1})),
+        "num_target_layers": n,
+        "mask_token_id": parts.vocab_size - 1,
+    }
+
+
 def random_drafter(
     model: Any,
     *,
@@ -309,26 +333,10 @@ def random_drafter(
     import mlx.core as mx
 
     from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
-    from dflash_server.models.target_parts import find_target_parts
 
-    parts = find_target_parts(model)
-    n, H = parts.num_layers, parts.hidden_size
     mx.random.seed(seed)
     config = DFlashConfig(
-        hidden_size=H,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=2 * H,
-        vocab_size=parts.vocab_size,
-        rms_norm_eps=1e-6,
-        rope_theta=1e7,
-        max_position_embeddings=32768,
-        block_size=block_size,
-        target_layer_ids=tuple(sorted({min(1, n - 1), n // 2, n - 1})),
-        num_target_layers=n,
-        mask_token_id=parts.vocab_size - 1,
+        **_tiny_drafter_fields(model, block_size, num_layers),
         layer_types=tuple(
             "sliding_attention" if sliding_window and i % 2 == 0 else "full_attention"
             for i in range(num_layers)
@@ -359,27 +367,11 @@ def random_dflash2_drafter(
     import mlx.core as mx
 
     from dflash_server.models.dflash2 import DFlash2Config, DFlash2DraftModel
-    from dflash_server.models.target_parts import find_target_parts
 
-    parts = find_target_parts(model)
-    n, H = parts.num_layers, parts.hidden_size
     mx.random.seed(seed)
     kind = "full_attention" if sliding_window is None else "sliding_attention"
     config = DFlash2Config(
-        hidden_size=H,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=2 * H,
-        vocab_size=parts.vocab_size,
-        rms_norm_eps=1e-6,
-        rope_theta=1e7,
-        max_position_embeddings=32768,
-        block_size=block_size,
-        target_layer_ids=tuple(sorted({min(1, n - 1), n // 2, n - 1})),
-        num_target_layers=n,
-        mask_token_id=parts.vocab_size - 1,
+        **_tiny_drafter_fields(model, block_size, num_layers),
         layer_types=(kind,) * num_layers,
         sliding_window=sliding_window,
         is_causal=False,
