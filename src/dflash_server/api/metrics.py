@@ -18,7 +18,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,6 +68,7 @@ class Metrics:
     """The server's metrics, in one registry."""
 
     def __init__(self, engine: Engine) -> None:
+        disable_created_metrics()  # no *_created series: timestamps of first use are noise here
         self.engine = engine
         self.registry = r = CollectorRegistry()
         by_endpoint = ["endpoint"]
@@ -193,6 +201,7 @@ class _PrefixCacheCollector:
     """The prefix cache's own counters, read at scrape time (nothing when there is none)."""
 
     def __init__(self, engine: Engine) -> None:
+        disable_created_metrics()  # no *_created series: timestamps of first use are noise here
         self.engine = engine
 
     def collect(self) -> Iterator[Any]:

@@ -228,8 +228,13 @@ def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request a Responses request means, after the conversation ``history``."""
+def conversation(store: ResponseStore, req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation so far: the stored one of ``previous_response_id``, then ``input``."""
+    return previous(store, req.previous_response_id) + input_messages(req.input)
+
+
+def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request a Responses request means: ``instructions``, then ``conversation``."""
     extra = req.model_extra or {}
     for name in _REFUSED:
         if extra.get(name) not in (None, False):
@@ -239,7 +244,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     data: dict[str, Any] = {
         "model": req.model,
-        "messages": system + history + input_messages(req.input),
+        "messages": system + conversation,
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

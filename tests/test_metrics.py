@@ -1,0 +1,70 @@
+"""GET /metrics: Prometheus text with request, token, latency and speculation metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_fixtures import ScriptedGenerate, build_draft, make_app, run_server
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10}
+
+
+@pytest.fixture(scope="module")
+def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_after_real_requests(tiny_hybrid_path: Path, draft_path: Path) -> None:
+    app = make_app(tiny_hybrid_path, draft_path, served_model_name="tiny", api_key="k")
+    key = {"Authorization": "Bearer k"}
+    with run_server(app) as srv:
+        url = srv.base_url
+        assert httpx.get(f"{url}/metrics").status_code == 401  # behind the key by default
+        for body in (CHAT, {**CHAT, "stream": True}):
+            assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=key).is_success
+        msg = {"model": "tiny", "max_tokens": 4, "messages": CHAT["messages"]}
+        assert httpx.post(f"{url}/v1/messages", json=msg, headers={"x-api-key": "k"}).is_success
+        httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, headers=key)
+        r = httpx.get(f"{url}/metrics", headers=key)
+        cache = getattr(srv.engine, "prefix_cache", None)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = _samples(r.text)
+    chat = (("endpoint", "/v1/chat/completions"),)
+    assert m[("dflash_requests_total", (*chat, ("status", "200")))] == 2
+    assert m[("dflash_requests_total", (*chat, ("status", "400")))] == 1
+    assert m[("dflash_requests_total", (("endpoint", "/metrics"), ("status", "401")))] == 1
+    assert m[("dflash_requests_total", (("endpoint", "/v1/messages"), ("status", "200")))] == 1
+    assert m[("dflash_generated_tokens_total", (("endpoint", "chat"),))] > 0
+    assert m[("dflash_generated_tokens_total", (("endpoint", "messages"),))] <= 4
+    assert m[("dflash_time_to_first_token_seconds_count", (("endpoint", "chat"),))] == 2
+    assert m[("dflash_time_per_output_token_seconds_count", (("endpoint", "chat"),))] == 2
+    assert m[("dflash_tau_count", ())] == 3 and m[("dflash_accepted_drafts_count", ())] > 0
+    assert m[("dflash_block_size_sum", ())] == 3 * 8
+    assert m[("dflash_queue_depth", ())] == 0 and m[("dflash_active_requests", ())] == 0
+    if cache is not None:  # the prefix cache's own counters
+        assert m[("dflash_prefix_cache_hits_total", ())] == cache.stats()["hits"]
+    assert not any(name.endswith("_created") for name, _ in m)
+
+
+def test_metrics_open_or_off(tiny_hybrid_path: Path, draft_path: Path) -> None:
+    gen = ScriptedGenerate(["a", "b"])
+    app = make_app(tiny_hybrid_path, draft_path, generate=gen, api_key="k", metrics_auth=False)
+    with run_server(app) as srv:
+        r = httpx.get(f"{srv.base_url}/metrics")
+        assert r.status_code == 200 and "dflash_requests_total" in r.text
+    off = make_app(tiny_hybrid_path, draft_path, generate=gen, metrics=False)
+    with run_server(off) as srv:
+        assert httpx.get(f"{srv.base_url}/metrics").status_code == 404
+        assert "x-request-id" in httpx.get(f"{srv.base_url}/health").headers
