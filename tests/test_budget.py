@@ -17,21 +17,23 @@ from dflash_server.testing import ReplayDrafter, random_drafter
 END = 5  # the think-end id in the unit tests
 
 
-def _rows(mask: mx.array) -> list[list[int]]:
-    """Each row's allowed ids."""
+def _rows(mask: mx.array | None, n: int = 1, width: int = 8) -> list[list[int]]:
+    """Each row's allowed ids (None, no restriction: each of the ``n`` rows allows all)."""
+    if mask is None:
+        return [list(range(width))] * n
     return [[i for i, ok in enumerate(row) if ok] for row in mask.tolist()]
 
 
 def test_rows_along_a_drafted_path() -> None:
     budget = ThinkingBudget(3, END, width=8)
-    assert _rows(budget.allowed([1, 2])) == [list(range(8))] * 3  # 0, 1, 2 tokens used
+    assert _rows(budget.allowed([1, 2]), 3) == [list(range(8))] * 3  # 0, 1, 2 tokens used
     assert _rows(budget.allowed([1, 2, 3, 4])) == [list(range(8))] * 3 + [[END]] * 2
     budget.commit([1, 2])
     # Row 1 (2 + 1 = 3 used) may only close; a draft that does frees the rows after it.
     assert _rows(budget.allowed([1, END, 4])) == [list(range(8)), [END], *[list(range(8))] * 2]
     budget.commit([1, END, 7])
     assert budget.used == 3 and not budget.open
-    assert _rows(budget.allowed([1, 2, 3])) == [list(range(8))] * 4  # reasoning is over
+    assert _rows(budget.allowed([1, 2, 3]), 4) == [list(range(8))] * 4  # reasoning is over
 
 
 def test_zero_budget_closes_at_once_and_both_and_masks() -> None:

@@ -38,17 +38,17 @@ class ThinkingBudget:
         self.used = 0  # reasoning tokens committed so far
         self.open = True  # the think block is still open
 
-    def allowed(self, drafts: Sequence[int]) -> mx.array:
+    def allowed(self, drafts: Sequence[int]) -> mx.array | None:
         drafts = list(drafts)
         n = len(drafts) + 1
         if not self.open:
-            return mx.ones((n, self.width), dtype=mx.bool_)
+            return None
         # Row i follows committed + drafts[:i]: still reasoning until a draft closes the block.
         closes = drafts.index(self.think_end) if self.think_end in drafts else n
         forced = [self.used + i >= self.budget for i in range(min(n, closes + 1))]
         forced += [False] * (n - len(forced))
         if not any(forced):
-            return mx.ones((n, self.width), dtype=mx.bool_)
+            return None
         only_end = mx.arange(self.width) == self.think_end
         return mx.where(mx.array(forced)[:, None], only_end[None], True)
 
@@ -69,8 +69,10 @@ class Both:
     def __init__(self, first: TokenConstraint, second: TokenConstraint) -> None:
         self.first, self.second = first, second
 
-    def allowed(self, drafts: Sequence[int]) -> mx.array:
+    def allowed(self, drafts: Sequence[int]) -> mx.array | None:
         a, b = self.first.allowed(drafts), self.second.allowed(drafts)
+        if a is None or b is None:
+            return b if a is None else a
         # A narrower mask forbids the columns past it (see apply_mask): keep the common width.
         width = min(a.shape[-1], b.shape[-1])
         return a[:, :width] & b[:, :width]

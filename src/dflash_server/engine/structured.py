@@ -194,7 +194,7 @@ class GrammarConstraint:
         self.reasoning = think_end is not None
         self.rows = 0  # masks computed, for the benchmark's cost per row
 
-    def allowed(self, drafts: Sequence[int]) -> mx.array:
+    def allowed(self, drafts: Sequence[int]) -> mx.array | None:
         drafts = list(drafts)
         n = len(drafts) + 1
         # -1 = all bits set: rows before the grammar starts (and after a rejected draft) allow all.
@@ -202,7 +202,7 @@ class GrammarConstraint:
         start = 0
         if self.reasoning:
             if self.think_end not in drafts:
-                return mx.ones((n, self.width), dtype=mx.bool_)
+                return None  # still reasoning along the whole path: free text
             start = drafts.index(self.think_end) + 1
         path = drafts[start:]
         # Ids past the tokenizer (spare embedding rows) are never allowed; llguidance would

@@ -79,8 +79,9 @@ class TokenConstraint(Protocol):
     so the constraint only ever advances over committed tokens (no rollback needed).
     """
 
-    def allowed(self, drafts: Sequence[int]) -> mx.array:
-        """Bool mask [len(drafts) + 1, V']: row i = tokens allowed after committed + drafts[:i].
+    def allowed(self, drafts: Sequence[int]) -> mx.array | None:
+        """Bool mask [len(drafts) + 1, V']: row i = tokens allowed after committed + drafts[:i];
+        None when no row restricts anything (nothing to apply, e.g. before a grammar starts).
 
         Rows past a disallowed draft are never used and may be anything. V' <= vocab size.
         """

@@ -166,7 +166,9 @@ class SpeculativeDecoder:
         elif self.sampler.processors:
             logits = self.sampler.process_rows(logits, history, mx.array(drafts))
         if self.constraint is not None:
-            logits = apply_mask(logits, self.constraint.allowed([] if drafts is None else drafts))
+            mask = self.constraint.allowed([] if drafts is None else drafts)
+            if mask is not None:
+                logits = apply_mask(logits, mask)
         return logits
 
     def _logprobs(self, logits: mx.array, emitted: mx.array) -> Any:
