@@ -137,19 +137,29 @@ class ScriptedGenerate:
     def __call__(self, models: Any, request: Any) -> Iterator[Any]:
         draft = models.draft if request.speculative else None
         self.calls.append({"request": request, "prompt": list(request.prompt), "draft": draft})
-        return self._run(request.max_tokens)
+        return self._run(request.max_tokens, request.stop)
 
-    def _run(self, max_tokens: int) -> Iterator[Any]:
+    def _run(self, max_tokens: int, stop: tuple[str, ...] = ()) -> Iterator[Any]:
+        from dflash_server.generation.stream import _StopMatcher  # stop strings as generate does
+
         time.sleep(self.first_delay)
         pieces = self.pieces[:max_tokens]
+        stops = _StopMatcher(stop)
         done = False
         try:
             for i, piece in enumerate(pieces):
                 if i:
                     time.sleep(self.delay)
-                done = i == len(pieces) - 1
-                reason = ("length" if len(pieces) == max_tokens else "stop") if done else None
-                yield fake_response(piece, [i], reason, i + 1)
+                text, hit = stops.feed(piece)
+                done = i == len(pieces) - 1 or hit is not None
+                if done and hit is None:
+                    text += stops.flush()
+                reason = "length" if done and len(pieces) == max_tokens else "stop"
+                response = fake_response(text, [i], reason if done else None, i + 1)
+                response.stop = hit
+                yield response
+                if done:
+                    return
         except GeneratorExit:
             if not done:  # closed before its last response: cancelled
                 self.closed_early += 1

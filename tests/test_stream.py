@@ -52,7 +52,7 @@ def test_stop_string_inside_a_block(setup):
     before = full[: full.index(stop)]
     out, tokens, text = run(model, draft, tokenizer, ids, max_tokens=40, stop=[stop, "never-seen"])
     assert text == before
-    assert out[-1].finish_reason == "stop"
+    assert out[-1].finish_reason == "stop" and out[-1].stop == stop  # which one ended it
     # No token past the one that completed the stop string.
     assert stop in tokenizer.decode(tokens) and stop not in tokenizer.decode(tokens[:-1])
 

@@ -217,7 +217,7 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
         if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
             data["thinking_budget"] = req.thinking.budget_tokens
     if isinstance(req, MessagesRequest):
-        data |= {"max_tokens": req.max_tokens, "stream": req.stream}
+        data |= {"max_tokens": req.max_tokens, "stream": req.stream, "stop": req.stop_sequences}
         data |= {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     extra = req.model_extra or {}
     data |= {k: extra[k] for k in _EXTENSIONS if k in extra}

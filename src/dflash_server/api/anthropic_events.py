@@ -4,9 +4,8 @@ The model's text is split by ``ChatText`` (tool calls cut out, reasoning apart) 
 content blocks; the stream is Anthropic's event sequence (``message_start``, ``ping``, per block
 ``content_block_start``/``_delta``/``_stop``, ``message_delta``, ``message_stop``).
 
-Stop sequences are matched here, not in the engine, so the answer can say which one ended it
-(``stop_reason: "stop_sequence"``, ``stop_sequence``); the job is cancelled at the match, and
-``output_tokens`` then counts the tokens generated up to the event that held it.
+Stop sequences are the request's stop strings (matched by the generation's text stream, which
+reports the one that ended it: ``stop_reason: "stop_sequence"``, ``stop_sequence``).
 """
 
 from __future__ import annotations
@@ -25,58 +24,27 @@ from dflash_server.api.responses import ChatText, ClientGone, dumps, job_events
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
 from dflash_server.engine.tool_calls import ToolCall
 
-
-class _StopScan:
-    """Finds the first stop sequence in streamed text; holds back what may become one."""
-
-    def __init__(self, stops: list[str] | None) -> None:
-        self.stops = list(stops or [])
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.pending = ""
-        self.hit: str | None = None
-
-    def feed(self, text: str) -> str:
-        if not self.stops:
-            return text
-        buf = self.pending + text
-        found = [(buf.find(s), s) for s in self.stops if s in buf]
-        if found:
-            at, self.hit = min(found)
-            self.pending = ""
-            return buf[:at]
-        cut = max(0, len(buf) - self.hold)
-        self.pending = buf[cut:]
-        return buf[:cut]
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 Event = tuple[str, dict[str, Any]]  # (event name, payload)
 
 
 class MessageShaper:
     """Model text -> Anthropic content blocks, and the stream events that build them."""
 
-    def __init__(self, prepared: Prepared, tokenizer: Any, stops: list[str] | None) -> None:
+    def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
         self.chat = ChatText(prepared, tokenizer)
-        self.stops = _StopScan(stops)
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # type of the block being written ("thinking", "text")
         self.tokens = 0
 
     def feed(self, ev: TextChunk) -> list[Event]:
         self.tokens += ev.tokens
-        return self._pieces(*self.chat.feed(self.stops.feed(ev.text)))
+        return self._pieces(*self.chat.feed(ev.text))
 
     def finish(self, reason: str) -> list[Event]:
-        events = self._pieces(*self.chat.feed(self.stops.flush())) if not self.stops.hit else []
-        events += self._pieces(*self.chat.finish("stop" if self.stops.hit else reason))
-        return events + self._close()
+        return self._pieces(*self.chat.finish(reason)) + self._close()
 
-    def stop_reason(self, reason: str) -> str:
-        if self.stops.hit is not None:
+    def stop_reason(self, reason: str, stop_sequence: str | None) -> str:
+        if stop_sequence is not None:
             return "stop_sequence"
         if reason == "length":
             return "max_tokens"
@@ -146,9 +114,9 @@ def _usage(prepared: Prepared, output_tokens: int, done: Finished | None) -> dic
 class _Run:
     """One Messages request against its job: the events, and the whole message at the end."""
 
-    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any, stops: list[str] | None):
+    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any):
         self.p, self.job = prepared, job
-        self.shaper = MessageShaper(prepared, tokenizer, stops)
+        self.shaper = MessageShaper(prepared, tokenizer)
         self.message = {
             "id": f"msg_{uuid.uuid4().hex}",
             "type": "message",
@@ -175,8 +143,6 @@ class _Run:
                 if isinstance(ev, TextChunk):
                     for event in self.shaper.feed(ev):
                         yield event
-                    if self.shaper.stops.hit is not None:
-                        break  # the job is cancelled as the loop ends
                 elif isinstance(ev, Finished):
                     done = ev
                 elif isinstance(ev, Failed):
@@ -188,15 +154,16 @@ class _Run:
         for event in self.shaper.finish(reason):
             yield event
         tokens = done.completion_tokens if done is not None else self.shaper.tokens
+        stop_sequence = done.stop_sequence if done is not None else None
         self.message |= {
             "content": self.shaper.blocks,
-            "stop_reason": self.shaper.stop_reason(reason),
-            "stop_sequence": self.shaper.stops.hit,
+            "stop_reason": self.shaper.stop_reason(reason, stop_sequence),
+            "stop_sequence": stop_sequence,
             "usage": _usage(self.p, tokens, done),
         }
         if done is not None:
             self.message["dflash"] = self.shaper.chat.stats(done.stats)
-        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": self.shaper.stops.hit}
+        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": stop_sequence}
         yield (
             "message_delta",
             {"type": "message_delta", "delta": delta, "usage": self.message["usage"]},
@@ -205,10 +172,10 @@ class _Run:
 
 
 async def stream_messages(
-    prepared: Prepared, job: Job, tokenizer: Any, stops: list[str] | None, interval: float
+    prepared: Prepared, job: Job, tokenizer: Any, interval: float
 ) -> AsyncIterator[ServerSentEvent]:
     """A Messages stream as server-sent events (``event:`` names and JSON data)."""
-    async for name, payload in _Run(prepared, job, tokenizer, stops).events(interval):
+    async for name, payload in _Run(prepared, job, tokenizer).events(interval):
         yield ServerSentEvent(data=dumps(payload), event=name)
 
 
@@ -221,11 +188,10 @@ async def collect_message(
     prepared: Prepared,
     job: Job,
     tokenizer: Any,
-    stops: list[str] | None,
     is_disconnected: Callable[[], Awaitable[bool]],
 ) -> dict[str, Any] | None:
     """The whole message; None if the client went away."""
-    run = _Run(prepared, job, tokenizer, stops)
+    run = _Run(prepared, job, tokenizer)
     try:
         async with aclosing(run.events(is_disconnected=is_disconnected)) as events:
             async for _ in events:

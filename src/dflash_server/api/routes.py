@@ -106,15 +106,13 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     """Anthropic Messages (see api/anthropic.py)."""
     prepared = await prepare_chat(anthropic_chat(body), _settings(request), _engine(request))
     job = _submit(request, prepared, "messages")
-    stops, tokenizer = body.stop_sequences, _tokenizer(request)
+    tokenizer = _tokenizer(request)
     if prepared.stream:
         interval = _settings(request).stream_interval
-        stream = anthropic_events.stream_messages(prepared, job, tokenizer, stops, interval)
+        stream = anthropic_events.stream_messages(prepared, job, tokenizer, interval)
         return _events(request, stream, ping_message_factory=anthropic_events.ping)
     return _json(
-        await anthropic_events.collect_message(
-            prepared, job, tokenizer, stops, request.is_disconnected
-        )
+        await anthropic_events.collect_message(prepared, job, tokenizer, request.is_disconnected)
     )
 
 

@@ -44,6 +44,7 @@ class Finished:
     completion_tokens: int
     stats: dict[str, Any] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass

@@ -302,7 +302,8 @@ class Engine:
             queue_wait_s=round((job.started or job.created) - job.created, 3),
         )
         cached = last.stats.cached_tokens if last.stats is not None else 0
-        done = Finished(last.finish_reason or "length", prompt_tokens, run.produced, stats, cached)
+        reason = last.finish_reason or "length"
+        done = Finished(reason, prompt_tokens, run.produced, stats, cached, last.stop)
         log.info(
             "request: %d prompt (%s) + %d output tokens (%s), %.1f tok/s, tau %s",
             done.prompt_tokens,

@@ -48,6 +48,7 @@ class GenerationResponse:
     top_logprobs: list[list[tuple[int, float]]] | None = (
         None  # per token: (id, logprob), best first
     )
+    stop: str | None = None  # the stop string that ended generation (finish_reason "stop")
 
     @property
     def token(self) -> int | None:
@@ -72,16 +73,17 @@ class _StopMatcher:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit, whether a stop string was hit)."""
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Add text; return (text safe to emit, the stop string hit first, if any)."""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        hits = [(at, s) for s in self.stop if (at := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
+            at, stop = min(hits)
+            out, self.pending = self.pending[:at], ""
+            return out, stop
         cut = max(0, len(self.pending) - self.hold)
         out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
+        return out, None
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
@@ -95,21 +97,22 @@ class TextStream:
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
         self.stops = _StopMatcher(stop)
+        self.hit: str | None = None  # the stop string that ended the text
 
     def feed(self, commit: Commit) -> tuple[str, int, str | None]:
         """(text safe to emit, tokens it covers, finish reason or None)."""
         text, finish = "", commit.finish
         for n, token in enumerate(commit.tokens, 1):
             self.detokenizer.add_token(token)
-            segment, hit = self.stops.feed(self.detokenizer.last_segment)
+            segment, self.hit = self.stops.feed(self.detokenizer.last_segment)
             text += segment
-            if hit:
+            if self.hit is not None:
                 return text, n, "stop"
         if finish is not None:  # flush held-back bytes and text
             self.detokenizer.finalize()
-            tail, hit = self.stops.feed(self.detokenizer.last_segment)
-            text += tail if hit else tail + self.stops.flush()
-            finish = "stop" if hit else finish
+            tail, self.hit = self.stops.feed(self.detokenizer.last_segment)
+            text += tail if self.hit is not None else tail + self.stops.flush()
+            finish = "stop" if self.hit is not None else finish
         return text, len(commit.tokens), finish
 
 
@@ -170,6 +173,7 @@ def generate(
             accepted=None if i == 0 else len(commit.tokens),
             logprobs=kept_commit.logprobs,
             top_logprobs=kept_commit.top_logprobs,
+            stop=text.hit,
         )
         if finish is not None:
             return
