@@ -433,3 +433,37 @@ def _reachable(base: str) -> bool:
         return True
     except httpx.TransportError:
         return False
+
+
+def test_dflash_tokens_stream_extension(tiny_hybrid_path: Path, draft_path: Path) -> None:
+    """Opt-in per-token sources: together the raw output, drafts only where a cycle accepted."""
+    import json
+
+    app = make_app(tiny_hybrid_path, draft_path, temperature=0.0)
+    body = {**CHAT, "stream": True, "max_tokens": 24, "dflash_tokens": True}
+    body["stream_options"] = {"include_usage": True}
+    with run_server(app) as srv:
+        with httpx.stream("POST", f"{srv.base_url}/v1/chat/completions", json=body) as r:
+            chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        plain = httpx.post(
+            f"{srv.base_url}/v1/completions",
+            json={
+                "prompt": "hello",
+                "max_tokens": 8,
+                "stream": True,
+                "speculative": False,
+                "dflash_tokens": True,
+            },
+        )
+    tokens = [t for c in chunks for t in c.get("dflash_tokens", [])]
+    assert len(tokens) == chunks[-1]["usage"]["completion_tokens"]
+    assert {t["source"] for t in tokens} <= {"draft", "target"}
+    stats = next(c["dflash"] for c in chunks if "dflash" in c)
+    assert sum(t["source"] == "draft" for t in tokens) == stats["accepted"]
+    lines = [json.loads(ln[6:]) for ln in plain.text.splitlines() if ln.startswith("data: {")]
+    plain_tokens = [t for c in lines for t in c.get("dflash_tokens", [])]
+    assert plain_tokens and all(t["source"] == "target" for t in plain_tokens)
+    without = {**body, "dflash_tokens": False}
+    with run_server(make_app(tiny_hybrid_path, draft_path, temperature=0.0)) as srv:
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=without)
+    assert "dflash_tokens" not in r.text

@@ -184,6 +184,11 @@ def test_page_loads_without_key_and_streams_with_stats(browser: Any, server: Run
     for label in ("tokens", "tok/s", "TTFT", "τ", "block"):
         assert label in stats, stats
     assert answer.locator(".hist .bar").count() == 8  # one bar per block position
+    # The dflash_tokens extension: every token tinted by its source, together the raw answer.
+    tokens = answer.locator(".tokens .tok")
+    assert tokens.count() > 0
+    sources = {tokens.nth(i).get_attribute("title") for i in range(tokens.count())}
+    assert sources <= {"draft", "target"} and "target" in sources
     assert page.errors == []
     # The conversation survives a reload; New chat clears it.
     p.reload()
@@ -266,10 +271,8 @@ def test_stop_cancels_the_request_on_the_server(
     page.close()
 
 
-def test_stats_view_cached_tokens_and_planned_token_tints(
-    browser: Any, server: RunningServer
-) -> None:
-    """What the server does not send yet: cached prompt tokens and the PLANNED dflash_tokens."""
+def test_stats_view_cached_tokens_and_token_tints(browser: Any, server: RunningServer) -> None:
+    """The stats view: cached prompt tokens and tokens tinted by source, escaped."""
     page = Page(browser, server.base_url)
     html = page.page.evaluate(
         """async () => (await import('/web/views.js')).assistantHtml({

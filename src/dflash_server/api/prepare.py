@@ -46,6 +46,7 @@ class Prepared:
     include_usage: bool
     tools: list[dict[str, Any]] | None = None  # parse tool calls against these (None: don't)
     parallel_tool_calls: bool = True
+    dflash_tokens: bool = False  # stream extension: each token's text and source
 
 
 def check_model(requested: str | None, settings: Settings) -> None:
@@ -195,6 +196,7 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
         model=req.model or settings.model_id,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        dflash_tokens=bool(req.dflash_tokens),
         tools=chat.tools,
         parallel_tool_calls=parallel,
     )
@@ -224,4 +226,5 @@ async def prepare_completion(
         model=req.model or settings.model_id,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        dflash_tokens=bool(req.dflash_tokens),
     )

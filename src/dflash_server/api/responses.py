@@ -187,6 +187,8 @@ class _Stream:
         self.logprobs: list[TokenLogprob] | None = (
             [] if prepared.request.logprobs is not None else None
         )
+        # The dflash_tokens extension: tokens not sent yet, as {"text", "source"}.
+        self.tokens: list[dict[str, str]] | None = [] if prepared.dflash_tokens else None
 
     def chunk(self, choice: dict[str, Any], **extra: Any) -> str:
         base = {
@@ -198,6 +200,8 @@ class _Stream:
         }
         if self.p.include_usage:
             base["usage"] = None  # the spec: null on every chunk but the last
+        if self.tokens and choice:
+            base["dflash_tokens"], self.tokens = self.tokens, []
         return dumps(base | extra)
 
     def _take_logprobs(self) -> dict[str, Any] | None:
@@ -217,6 +221,11 @@ class _Stream:
         text = ev.text if ev is not None else ""
         if self.logprobs is not None and ev is not None:
             self.logprobs += ev.logprobs or []
+        if self.tokens is not None and ev is not None:
+            self.tokens += [
+                {"text": t, "source": "draft" if drafted else "target"}
+                for t, drafted in ev.sources or []
+            ]
         if self.chat is None:
             if not text:
                 return None

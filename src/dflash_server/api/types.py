@@ -79,6 +79,9 @@ class SamplingFields(_SamplingOverrides):
         None, ge=1, le=MAX_INT, description="draft block size for this request"
     )
     speculative: bool | None = Field(None, description="false: plain decoding, no drafter")
+    dflash_tokens: bool | None = Field(
+        None, description="streams: each chunk lists its tokens' texts and sources (draft/target)"
+    )
 
     @field_validator("stop")
     @classmethod

@@ -33,6 +33,7 @@ class TextChunk:
     text: str
     tokens: int
     logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
+    sources: list[tuple[str, bool]] | None = None  # per token: (text, accepted draft?)
 
 
 @dataclass
@@ -136,7 +137,8 @@ class Job:
             if isinstance(ev, TextChunk) and merged and isinstance(merged[-1], TextChunk):
                 last = merged[-1]
                 lps = None if ev.logprobs is None else (last.logprobs or []) + ev.logprobs
-                merged[-1] = TextChunk(last.text + ev.text, last.tokens + ev.tokens, lps)
+                sources = None if ev.sources is None else (last.sources or []) + ev.sources
+                merged[-1] = TextChunk(last.text + ev.text, last.tokens + ev.tokens, lps, sources)
             else:
                 merged.append(ev)
             if isinstance(ev, Finished | Failed):

@@ -74,7 +74,7 @@ class _Run:
                 lps = token_logprobs(
                     self.texts, response.tokens, response.logprobs, response.top_logprobs
                 )
-            job.emit(TextChunk(response.text, len(response.tokens), lps))
+            job.emit(TextChunk(response.text, len(response.tokens), lps, response.sources))
         return _DONE if response.finish_reason is not None else None
 
 

@@ -88,10 +88,12 @@ class Commit:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
     finish: str | None = None
+    drafted: int = 0  # how many of the leading tokens are accepted drafts (the rest: target's)
 
     def truncate(self, n: int, finish: str | None = None) -> Commit:
         top = None if self.top_logprobs is None else self.top_logprobs[:n]
-        return Commit(self.tokens[:n], self.logprobs and self.logprobs[:n], top, finish)
+        lps = self.logprobs and self.logprobs[:n]
+        return Commit(self.tokens[:n], lps, top, finish, min(self.drafted, n))
 
 
 @dataclass
@@ -277,7 +279,7 @@ class SpeculativeDecoder:
         """Sync on a cycle, commit its tokens, roll caches back; return (commit, next anchor)."""
         values = cycle.result.tolist()  # the one host sync per cycle
         accepted, bonus = values[0], values[1]
-        commit = Commit([*values[2 : 2 + accepted], bonus])
+        commit = Commit([*values[2 : 2 + accepted], bonus], drafted=accepted)
         if cycle.logprobs is not None:
             chosen, ids, top = (None if a is None else a.tolist() for a in cycle.logprobs)
             n = accepted + 1

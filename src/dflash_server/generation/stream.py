@@ -49,6 +49,8 @@ class GenerationResponse:
         None  # per token: (id, logprob), best first
     )
     stop: str | None = None  # the stop string that ended generation (finish_reason "stop")
+    # Per token: its text and whether it was an accepted draft (else the target's own token).
+    sources: list[tuple[str, bool]] | None = None
 
     @property
     def token(self) -> int | None:
@@ -98,18 +100,22 @@ class TextStream:
         self.detokenizer.reset()
         self.stops = _StopMatcher(stop)
         self.hit: str | None = None  # the stop string that ended the text
+        self.pieces: list[str] = []  # each token's own text in the last ``feed`` (detokenized)
 
     def feed(self, commit: Commit) -> tuple[str, int, str | None]:
         """(text safe to emit, tokens it covers, finish reason or None)."""
-        text, finish = "", commit.finish
+        text, finish, self.pieces = "", commit.finish, []
         for n, token in enumerate(commit.tokens, 1):
             self.detokenizer.add_token(token)
-            segment, self.hit = self.stops.feed(self.detokenizer.last_segment)
+            self.pieces.append(self.detokenizer.last_segment)
+            segment, self.hit = self.stops.feed(self.pieces[-1])
             text += segment
             if self.hit is not None:
                 return text, n, "stop"
         if finish is not None:  # flush held-back bytes and text
             self.detokenizer.finalize()
+            if self.pieces:  # bytes held back by the detokenizer belong to the last token
+                self.pieces[-1] += self.detokenizer.last_segment
             tail, self.hit = self.stops.feed(self.detokenizer.last_segment)
             text += tail if self.hit is not None else tail + self.stops.flush()
             finish = "stop" if self.hit is not None else finish
@@ -174,6 +180,7 @@ def generate(
             logprobs=kept_commit.logprobs,
             top_logprobs=kept_commit.top_logprobs,
             stop=text.hit,
+            sources=[(piece, j < kept_commit.drafted) for j, piece in enumerate(text.pieces)],
         )
         if finish is not None:
             return

@@ -138,6 +138,7 @@ function requestBody() {
     messages: history,
     stream: true,
     stream_options: { include_usage: true },
+    dflash_tokens: true, // our stream extension: each token's text and source (draft/target)
     temperature: Number($("temperature").value),
     chat_template_kwargs: { enable_thinking: $("thinking").checked },
   };
@@ -194,7 +195,7 @@ function onChunk(msg, chunk, started) {
   }
   if (chunk.usage) msg.usage = chunk.usage;
   if (chunk.dflash) msg.dflash = chunk.dflash;
-  if (Array.isArray(chunk.dflash_tokens)) (msg.tokens ||= []).push(...chunk.dflash_tokens); // PLANNED
+  if (Array.isArray(chunk.dflash_tokens)) (msg.tokens ||= []).push(...chunk.dflash_tokens);
   const choice = (chunk.choices || [])[0];
   if (!choice) return;
   const delta = choice.delta || {};

@@ -34,10 +34,10 @@ function toolCallsHtml(msg) {
   return `<ul class="tool-calls" aria-label="Tool calls">${items.join("")}</ul>`;
 }
 
-// PLANNED stream extension (the engine does not send it yet): chunks may carry
+// The `dflash_tokens` stream extension (requested with `dflash_tokens: true`): chunks carry
 // `dflash_tokens: [{"text": "...", "source": "draft" | "target"}, ...]`, one entry per committed
-// token, saying whether it was an accepted draft token or the target's own. When present, the
-// answer's tokens are shown again below it, tinted by source. Nothing else depends on it.
+// token, saying whether it was an accepted draft token or the target's own. The answer's tokens
+// are shown again below it, tinted by source. Nothing else depends on it.
 function tokensHtml(msg) {
   if (!msg.tokens || !msg.tokens.length) return "";
   const spans = msg.tokens.map((t) => {
