@@ -185,6 +185,7 @@ async def health(request: Request) -> JSONResponse:
         "target": settings.target,
         "draft": settings.draft,
         "block_size": summary.get("block_size"),
+        "draft_family": summary.get("draft_family"),
         "context_length": summary.get("context_length"),
         "queue_depth": engine.queue_depth,
         "max_queue": engine.max_queue,

@@ -162,6 +162,7 @@ def load_models(
             draft_quantization=_quant(draft_cfg),
             block_size=int(drafter.config.block_size),
             draft_layers=int(drafter.config.num_hidden_layers),
+            draft_family=drafter.family,
             target_layer_ids=list(drafter.config.target_layer_ids),
         )
     from dflash_server.generation.target import TargetModel
@@ -214,7 +215,8 @@ def describe(summary: dict[str, Any]) -> str:
     ]
     if "draft" in summary:
         lines.append(
-            f"draft {summary['draft']}: {summary['draft_layers']} layers, "
+            f"draft {summary['draft']}: {summary['draft_family']}, "
+            f"{summary['draft_layers']} layers, "
             f"{_size(summary['draft_weights_gb'])} weights, {summary['draft_quantization']}, "
             f"block size {summary['block_size']}, taps {summary['target_layer_ids']}"
         )
