@@ -20,7 +20,7 @@ from sse_starlette import ServerSentEvent
 
 from dflash_server.api.errors import APIError, anthropic_error
 from dflash_server.api.prepare import Prepared
-from dflash_server.api.responses import ChatText, ClientGone, dumps, job_events
+from dflash_server.api.responses import ChatText, dumps, job_events, run_to_end
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
 from dflash_server.engine.tool_calls import ToolCall
 
@@ -192,10 +192,4 @@ async def collect_message(
 ) -> dict[str, Any] | None:
     """The whole message; None if the client went away."""
     run = _Run(prepared, job, tokenizer)
-    try:
-        async with aclosing(run.events(is_disconnected=is_disconnected)) as events:
-            async for _ in events:
-                pass
-    except ClientGone:
-        return None
-    return run.message
+    return run.message if await run_to_end(run.events(is_disconnected=is_disconnected)) else None

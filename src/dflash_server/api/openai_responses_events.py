@@ -23,7 +23,7 @@ from sse_starlette import ServerSentEvent
 from dflash_server.api.errors import APIError
 from dflash_server.api.openai_responses import ResponsesRequest
 from dflash_server.api.prepare import Prepared
-from dflash_server.api.responses import ChatText, ClientGone, dumps, job_events
+from dflash_server.api.responses import ChatText, dumps, job_events, run_to_end
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
 from dflash_server.engine.tool_calls import ToolCall
 
@@ -246,10 +246,4 @@ async def stream_events(
 
 async def collect(run: ResponseRun, is_disconnected: Callable[[], Awaitable[bool]]) -> bool:
     """Run to the end (``run.final`` then holds the response); False if the client left."""
-    try:
-        async with aclosing(run.events(is_disconnected=is_disconnected)) as events:
-            async for _ in events:
-                pass
-    except ClientGone:
-        return False
-    return True
+    return await run_to_end(run.events(is_disconnected=is_disconnected))

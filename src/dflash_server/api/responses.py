@@ -51,6 +51,18 @@ class ClientGone(Exception):
     """The client of a non-streamed request went away."""
 
 
+async def run_to_end(events: AsyncIterator[Any]) -> bool:
+    """Consume a non-streamed answer's events (closing them either way); False if the client
+    left on the way."""
+    try:
+        async with aclosing(events) as stream:
+            async for _ in stream:
+                pass
+    except ClientGone:
+        return False
+    return True
+
+
 async def job_events(
     job: Job,
     *,
