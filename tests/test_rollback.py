@@ -27,13 +27,17 @@ def cache_arrays(cache) -> list[mx.array]:
 
 
 @pytest.mark.parametrize(
-    "arch", ["tiny_hybrid", "tiny_attn", "tiny_hybrid-replay"], ids=["hybrid", "attn", "replay"]
+    "arch",
+    ["tiny_hybrid", "tiny_attn", "tiny_hybrid-replay", "tiny_hybrid-step"],
+    ids=["hybrid", "attn", "replay", "step"],
 )
 @pytest.mark.parametrize("accepted", range(BLOCK))
 def test_rollback_equals_fresh_prefill(request, monkeypatch, arch, accepted):
     if arch.endswith("-replay"):  # the Metal-kernel path: record inputs, replay the recurrence
         monkeypatch.setattr(hooks_module, "sequential_ops", lambda: False)
-    model, tokenizer = request.getfixturevalue(arch.removesuffix("-replay"))
+    if arch.endswith("-step"):  # ops path without the compiled recurrence: step the original
+        monkeypatch.setattr(hooks_module, "FAST_RECURRENCE", False)
+    model, tokenizer = request.getfixturevalue(arch.split("-")[0])
     prompt = tokenizer.encode("def fibonacci(n):")
     reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=2 * BLOCK)]
     draft = ReplayDrafter(prompt + reference, [accepted], random_drafter(model))

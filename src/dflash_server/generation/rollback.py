@@ -4,9 +4,12 @@ Attention caches are trimmed. Gated DeltaNet layers keep a recurrent state that 
 so the verify pass is recorded (``models/hooks.py``) and rollback restores the state at the kept
 prefix:
 
-* where mlx-lm runs the recurrence as sequential ops (CPU, CUDA), the recording stepped it one
-  token at a time through mlx-lm's own ``gated_delta_update`` and kept every step's state:
-  rollback is a lookup;
+* where mlx-lm runs the recurrence as sequential ops (CPU, CUDA), the recording runs it as one
+  compiled graph that keeps every step's state (``hooks._recurrence``; unusual call options
+  fall back to stepping mlx-lm's own ``gated_delta_update`` token by token): rollback is a
+  lookup. Measured on CPU, this costs fewer primitives than mlx-lm's own ops path, so a
+  recorded verify is cheaper than an unrecorded one, and far cheaper than recording inputs and
+  replaying the kept prefix (which re-runs up to B steps);
 * where it runs a fused Metal kernel, the recording kept the recurrence inputs (normalised q, k,
   v, gates a, b) and rollback replays the kernel over the kept prefix from the pre-verify state.
 
@@ -20,6 +23,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+
+from dflash_server.models.hooks import state_at
 
 if TYPE_CHECKING:
     from dflash_server.models.hooks import Recording, TargetHooks
@@ -69,7 +74,7 @@ class CacheRollback:
             q, k, v, a, b, A_log, dt_bias, state = args[:8]
             kwargs = {key: val for key, val in kwargs.items() if key != "mask"}
             if states is not None and keep > 0:
-                state = states[keep - 1]
+                state = state_at(states, keep)
             elif keep > 0:
                 _, state = self.hooks.replay(gdn)(
                     q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],

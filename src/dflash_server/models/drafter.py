@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from dflash_server.models.fused import Norm, rope_at
+
 if TYPE_CHECKING:
     from dflash_server.generation.sampling import TokenSampler
 
@@ -209,8 +211,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
-        self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.q_norm = Norm(hd, eps=config.rms_norm_eps)
+        self.k_norm = Norm(hd, eps=config.rms_norm_eps)
         self.rope = initialize_rope(
             hd, config.rope_theta, False, config.rope_scaling, config.max_position_embeddings
         )
@@ -218,11 +220,14 @@ class DFlashAttention(nn.Module):
     def make_cache(self) -> ContextCache:
         return ContextCache(None if self.window is None else self.window - 1)
 
-    def _keys_values(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array]:
+    def _keys_values(
+        self, x: mx.array, offset: int, compiled: bool = False
+    ) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.rope(k, offset=offset), v
+        # Block-sized inputs take the compiled RoPE (few shapes); context appends vary in length.
+        return (rope_at(self.rope, k, offset) if compiled else self.rope(k, offset=offset)), v
 
     def append_context(self, context: mx.array, cache: ContextCache) -> None:
         """Project committed positions once; only context K/V is ever cached."""
@@ -243,8 +248,8 @@ class DFlashAttention(nn.Module):
     def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=cache.offset)
-        keys, values = self._keys_values(x, cache.offset)
+        q = rope_at(self.rope, q, cache.offset)
+        keys, values = self._keys_values(x, cache.offset, compiled=True)
         context = cache.fetch()
         S = 0 if context is None else context[0].shape[2]
         if context is not None:
@@ -260,8 +265,8 @@ class DFlashDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx, causal)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = Norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Norm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
@@ -294,12 +299,12 @@ class DFlashDraftModel(nn.Module):
         self.config = config
         H = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
-        self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.hidden_norm = Norm(H, eps=config.rms_norm_eps)
         self.layers = [
             self.layer_class(config, i, self.layer_is_causal(i))
             for i in range(config.num_hidden_layers)
         ]
-        self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.norm = Norm(H, eps=config.rms_norm_eps)
         self._bound: _BoundTarget | None = None
 
     def layer_is_causal(self, i: int) -> bool:

@@ -28,6 +28,7 @@ import mlx.nn as nn
 from dflash_server.models.target_parts import find_target_parts
 
 _TAPPED: dict[type, type] = {}
+FAST_RECURRENCE = True  # record with ``_with_states`` where it applies (else step the original)
 _RECORDING_CONV: dict[type, type] = {}
 
 
@@ -56,10 +57,13 @@ def _hook_error(what: str) -> HookError:
 class Recording:
     """What one recorded forward left behind: per GDN layer, its recurrence call and conv input.
 
-    ``updates[i]`` = (args, kwargs, state after each token or None where only inputs are kept).
+    ``updates[i]`` = (args, kwargs, the state after each token — a list, or stacked on a leading
+    token axis — or None where only inputs are kept).
     """
 
-    updates: list[tuple[tuple, dict, list[mx.array] | None]] = field(default_factory=list)
+    updates: list[tuple[tuple, dict, list[mx.array] | mx.array | None]] = field(
+        default_factory=list
+    )
     conv_inputs: list[mx.array] = field(default_factory=list)
 
 
@@ -82,6 +86,71 @@ def _step_by_step(original: Any, args: tuple, kwargs: dict) -> tuple[mx.array, l
         outputs.append(y)
         states.append(state)
     return mx.concatenate(outputs, axis=1), states
+
+
+# Keyword arguments of mlx-lm's gated_delta_update that ``_with_states`` reproduces; any other
+# (lower_bound, allow_neg_eigval, ...) falls back to stepping the original token by token.
+_PLAIN_KWARGS = {"use_kernel"}
+
+
+def _gate(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    try:  # mlx-lm's own (compiled) gate, so states match plain decoding's
+        from mlx_lm.models.gated_delta import compute_g
+    except ImportError:  # pragma: no cover - older layouts
+
+        def compute_g(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+            return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+
+    return compute_g(A_log, a, dt_bias)
+
+
+@mx.compile
+def _recurrence(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over T tokens in one compiled graph that keeps every step's state:
+    ``S <- g_t S``, ``S <- S + k_t (x) (v_t - S k_t) beta_t``, ``y_t = S_t q_t`` (q, k repeated
+    to the Hv value heads). Returns y and the states stacked ``[T, B, H, Dv, Dk]``.
+
+    Primitives dominate small models on CPU, so the loop keeps a length-1 token axis (one split
+    per input instead of a slice and reshapes per step) and the readout ``y`` is one batched
+    product over the stacked states after the loop.
+    """
+    T = q.shape[1]
+    ks = mx.split(k[..., None, :], T, axis=1)  # [B, 1, H, 1, Dk]
+    vs = mx.split(v[..., None], T, axis=1)  # [B, 1, H, Dv, 1]
+    gs = mx.split(g[..., None, None], T, axis=1)  # [B, 1, H, 1, 1]
+    betas = mx.split(beta[..., None, None], T, axis=1)
+    state = state[:, None]  # [B, 1, H, Dv, Dk]
+    states = []
+    for t in range(T):
+        state = state * gs[t]
+        kv_mem = (state * ks[t]).sum(axis=-1, keepdims=True)
+        state = state + ks[t] * ((vs[t] - kv_mem) * betas[t])
+        states.append(state)
+    stacked = mx.concatenate(states, axis=1)  # [B, T, H, Dv, Dk]
+    y = (stacked * q[..., None, :]).sum(axis=-1)  # [B, T, H, Dv]
+    return y, stacked.swapaxes(0, 1)
+
+
+def state_at(states: list[mx.array] | mx.array, n: int) -> mx.array:
+    """The recurrent state after ``n`` recorded tokens (a list of states, or them stacked)."""
+    return states[n - 1]
+
+
+def _with_states(args: tuple, kwargs: dict) -> tuple[mx.array, mx.array] | None:
+    """mlx-lm's ops-path recurrence in one compiled call, keeping each step's state (for a
+    lookup rollback); None for calls it does not cover (masks, vector gates, extra options)."""
+    q, k, v, a, b, A_log, dt_bias, state = args[:8]
+    mask = args[8] if len(args) > 8 else kwargs.get("mask")
+    if mask is not None or set(kwargs) - _PLAIN_KWARGS - {"mask"} or a.ndim != 3:
+        return None
+    if state is None:
+        state = mx.zeros((q.shape[0], v.shape[-2], v.shape[-1], k.shape[-1]), mx.float32)
+    if (repeat := v.shape[-2] // k.shape[-2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    y, states = _recurrence(q, k, v, _gate(A_log, a, dt_bias), mx.sigmoid(b), state)
+    return y.astype(q.dtype), states
 
 
 def _tapped_class(cls: type) -> type:
@@ -188,9 +257,12 @@ class TargetHooks:
 
         def gated_delta_update(*args: Any, **kwargs: Any) -> Any:
             if sequential_ops():
-                y, states = _step_by_step(original, args, dict(kwargs))
+                fast = _with_states(args, kwargs) if FAST_RECURRENCE else None
+                y, states = (
+                    fast if fast is not None else _step_by_step(original, args, dict(kwargs))
+                )
                 recording.updates.append((args, kwargs, states))
-                return y, states[-1]
+                return y, state_at(states, args[0].shape[1])
             recording.updates.append((args, kwargs, None))
             return original(*args, **kwargs)
 
