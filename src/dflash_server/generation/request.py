@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dflash_server.generation.sampling import SamplingParams, TokenConstraint
 
@@ -41,7 +41,9 @@ class GenerationRequest:
     """Everything one generation needs besides the models; frozen, passed unchanged down.
 
     ``block_size`` is the number of positions verified per cycle: 1 is plain decoding (no
-    drafter pass), otherwise 2..the drafter's trained block (see ``block_size_for``).
+    drafter pass), otherwise 2..the drafter's trained block (see ``block_size_for``). With
+    ``adaptive`` (``block_size: "auto"``) it is the widest block: a controller picks 1..it each
+    cycle from the observed acceptance and the measured cycle costs.
     """
 
     prompt: tuple[int, ...]
@@ -50,6 +52,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     block_size: int = 1
+    adaptive: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     constraint: ConstraintSpec | None = None
     reasoning: Reasoning = field(default_factory=Reasoning)
@@ -85,3 +88,22 @@ def block_size_for(draft: Any | None, requested: int | None, *, clamp: bool = Fa
     if not 2 <= requested <= trained:
         raise ValueError(f"block_size must be in [2, {trained}] for this drafter, got {requested}")
     return int(requested)
+
+
+BlockSize = int | Literal["auto"]
+AUTO = "auto"
+
+
+def block_policy(
+    draft: Any | None, requested: BlockSize | None, *, clamp: bool = False
+) -> tuple[int, bool]:
+    """``(block_size, adaptive)`` for a requested block size: "auto" is the drafter's trained
+    block, adapted per cycle; a number (or None, the trained block) is fixed. Without a drafter
+    always ``(1, False)``. A bad number raises or is clamped as in ``block_size_for``."""
+    if draft is None:
+        return 1, False
+    if requested == AUTO:
+        return block_size_for(draft, None), True
+    if isinstance(requested, str):
+        raise ValueError(f"block_size must be a number or 'auto', got {requested!r}")
+    return block_size_for(draft, requested, clamp=clamp), False

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from dflash_server.generation.controller import BlockController, FixedBlock
 from dflash_server.generation.prefix import Checkpoint, PrefixStore, PromptSnapshot, supported
 from dflash_server.generation.sampling import (
     TokenConstraint,
@@ -24,56 +25,12 @@ from dflash_server.generation.sampling import (
     apply_mask,
     token_logprobs,
 )
+from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.drafter import DFlashDraftModel
 
-
-@dataclass
-class SpeculativeStats:
-    """Per-request speculation counters; ``tau`` is committed tokens per cycle."""
-
-    block_size: int
-    cycles: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    acceptance_histogram: list[int] = field(default_factory=list)  # index = accepted drafts
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
-    prefill_s: float = 0.0  # seconds until the first token
-    timings: dict[str, float] | None = None  # seconds per phase, only when profiling
-
-    def __post_init__(self) -> None:
-        if not self.acceptance_histogram:
-            self.acceptance_histogram = [0] * max(self.block_size, 1)
-
-    @property
-    def tau(self) -> float:
-        return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.cycles += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        self.acceptance_histogram[accepted] += 1
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {
-            "block_size": self.block_size,
-            "cycles": self.cycles,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "tau": round(self.tau, 4),
-            "acceptance_histogram": list(self.acceptance_histogram),
-            "cached_tokens": self.cached_tokens,
-            "prefill_s": round(self.prefill_s, 4),
-        }
-        if self.timings is not None:
-            out["timings"] = {k: round(v, 6) for k, v in self.timings.items()}
-        return out
+__all__ = ["Commit", "SpeculativeDecoder", "SpeculativeStats"]
+_FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
 
 
 @dataclass
@@ -129,9 +86,13 @@ class SpeculativeDecoder:
         constraint: TokenConstraint | None = None,
         prefix: PrefixStore | None = None,
         checkpoints: tuple[int, ...] = (),
+        policy: FixedBlock | BlockController | None = None,
     ):
         self.target, self.draft, self.sampler = target, draft, sampler
-        self.block_size = block_size if draft is not None else 1
+        if draft is None or policy is None:
+            policy = FixedBlock(block_size if draft is not None else 1)
+        self.policy = policy  # the width of each cycle: fixed, or the "auto" controller
+        self.block_size = policy.block_size
         self.prefill_step_size = prefill_step_size
         self.logprobs, self.constraint = logprobs, constraint
         self.cache = target.make_cache()
@@ -141,9 +102,16 @@ class SpeculativeDecoder:
         self.prefix = prefix if prefix is not None and supported(self.cache) else None
         self.checkpoints = frozenset(checkpoints)
         self._prefix_kind = (target.tap_ids,) if draft is not None else ()
-        self.stats = SpeculativeStats(self.block_size, timings={} if profile else None)
+        self.stats = SpeculativeStats(
+            self.block_size,
+            adaptive=policy.adaptive,
+            timings={} if profile else None,
+            estimator=policy.estimate,
+        )
         self._history: list[int] = []  # token ids the penalties look back over
-        self._context: mx.array | None = None  # committed taps not yet given to the drafter
+        self._context: list[mx.array] = []  # committed taps not yet given to the drafter
+        self._pending: tuple[int, int] | None = None  # (keep, fed) of the last verify
+        self._last_read: float | None = None  # when the previous cycle was read back
 
     # -- phases -------------------------------------------------------------------------------
 
@@ -236,39 +204,69 @@ class SpeculativeDecoder:
     def _draft_state(self) -> list[Any]:
         return [c.state for c in self.draft_cache] if self.draft_cache is not None else []
 
+    def _apply_rollback(self) -> None:
+        """Roll the target caches back after the last verify (deferred so that the next draft
+        is already running while the host builds these ops, FACTS §11)."""
+        if self._pending is not None:
+            keep, fed = self._pending
+            self._pending = None
+            self.rollback.rollback(keep=keep, fed=fed)
+            self._timed("rollback", [c.state for c in self.cache])
+
+    def _take_context(self) -> mx.array | None:
+        pieces, self._context = self._context, []
+        if not pieces:
+            return None
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
+
+    def _plain_step(self, last: mx.array, history: mx.array | None) -> _Cycle:
+        self._apply_rollback()
+        logits, taps = self.target.forward(last[None], self.cache, slice(None))
+        if self.draft is not None and taps is not None:
+            # The drafter needs every committed position; batch plain steps' taps.
+            self._context.append(taps)
+            if len(self._context) >= _FLUSH:
+                self.draft.append_context(self._take_context(), self.draft_cache)
+        logits = self._finish_rows(logits[0], history, None)
+        bonus = self.sampler.sample(logits)
+        result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
+        self._timed("plain", result)
+        return _Cycle(result, None, 1, self._logprobs(logits, bonus))
+
     def _queue_cycle(self, last: mx.array, size: int) -> _Cycle:
-        """Build (lazily) and start one draft/verify cycle of ``size`` positions."""
+        """Build (lazily) and start one cycle of ``size`` positions (1: a plain step)."""
         with mx.stream(generation_stream):
             history = self._history_tail() if self.sampler.processors else None
-            if size == 1:  # plain decoding step, no drafter
-                logits, taps = self.target.forward(last[None], self.cache, slice(None))
-                logits = self._finish_rows(logits[0], history, None)
-                bonus = self.sampler.sample(logits)
-                result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
-                logprobs = self._logprobs(logits, bonus)
-            else:
-                mask = mx.full((size - 1,), self.draft.config.mask_token_id, dtype=last.dtype)
-                block = mx.concatenate([last, mask])[None]
-                context, self._context = self._context, None
-                drafts, log_q = self.draft.propose(
-                    block, context, self.draft_cache, self.sampler, history
-                )
-                self._timed("draft", drafts)
-                verify_input = mx.concatenate([last, drafts.astype(last.dtype)])
-                with self.rollback.recording():
-                    logits, taps = self.target.forward(verify_input[None], self.cache, slice(None))
-                # A constraint walks the drafted path on the host: one extra sync per cycle.
-                path = drafts.tolist() if self.constraint is not None else drafts
-                logits = self._finish_rows(logits[0], history, path)
-                accepted, bonus = self.sampler.accept(logits, drafts, log_q)
-                result = mx.concatenate(
-                    [mx.stack([accepted, bonus]).astype(mx.int32), drafts.astype(mx.int32)]
-                )
-                # Row i emits draft i+1 while it survives; the row after the last survivor, the bonus.
+            if size == 1:
+                cycle = self._plain_step(last, history)
+                mx.async_eval(*cycle.arrays())
+                return cycle
+            mask = mx.full((size - 1,), self.draft.config.mask_token_id, dtype=last.dtype)
+            block = mx.concatenate([last, mask])[None]
+            drafts, log_q = self.draft.propose(
+                block, self._take_context(), self.draft_cache, self.sampler, history
+            )
+            # Start drafting now; the rollback and verify graphs are built while it runs.
+            mx.async_eval(drafts, *([] if log_q is None else [log_q]))
+            self._timed("draft", drafts)
+            self._apply_rollback()
+            verify_input = mx.concatenate([last, drafts.astype(last.dtype)])
+            with self.rollback.recording():
+                logits, taps = self.target.forward(verify_input[None], self.cache, slice(None))
+            # A constraint walks the drafted path on the host: one extra sync per cycle.
+            path = drafts.tolist() if self.constraint is not None else drafts
+            logits = self._finish_rows(logits[0], history, path)
+            accepted, bonus = self.sampler.accept(logits, drafts, log_q)
+            result = mx.concatenate(
+                [mx.stack([accepted, bonus]).astype(mx.int32), drafts.astype(mx.int32)]
+            )
+            logprobs = None
+            if self.logprobs is not None:
+                # Row i emits draft i+1 while it survives; the row after the last one, the bonus.
                 emitted = mx.concatenate([drafts, bonus[None]]).astype(mx.int32)
                 emitted = mx.where(mx.arange(size) == accepted, bonus, emitted)
                 logprobs = self._logprobs(logits, emitted)
-                self._timed("verify", result, taps)
+            self._timed("verify", result, taps)
         cycle = _Cycle(result, taps, size, logprobs)
         mx.async_eval(*cycle.arrays())
         return cycle
@@ -276,10 +274,14 @@ class SpeculativeDecoder:
     # -- the loop -----------------------------------------------------------------------------
 
     def _read(self, cycle: _Cycle, first: bool = False) -> tuple[Commit, mx.array]:
-        """Sync on a cycle, commit its tokens, roll caches back; return (commit, next anchor)."""
+        """Sync on a cycle and commit its tokens; queue the caches' rollback for the next
+        cycle and feed the policy; return (commit, next anchor)."""
         values = cycle.result.tolist()  # the one host sync per cycle
+        now = time.perf_counter()
+        seconds = None if self._last_read is None else now - self._last_read
+        self._last_read = now
         accepted, bonus = values[0], values[1]
-        commit = Commit([*values[2 : 2 + accepted], bonus], drafted=accepted)
+        commit = Commit([*values[2 : 2 + accepted], bonus])
         if cycle.logprobs is not None:
             chosen, ids, top = (None if a is None else a.tolist() for a in cycle.logprobs)
             n = accepted + 1
@@ -289,16 +291,13 @@ class SpeculativeDecoder:
                     sorted(zip(i, v), key=lambda iv: -iv[1]) for i, v in zip(ids[:n], top[:n])
                 ]
         if not first:  # the prefill's token is no cycle
-            self.stats.record(cycle.size - 1, accepted)
-        with mx.stream(generation_stream):
-            self.rollback.rollback(keep=accepted + 1, fed=cycle.size)
+            self.stats.record(cycle.size, accepted)
+            self.policy.observe(cycle.size, accepted, seconds)
+        if cycle.size > 1:
+            self._pending = (accepted + 1, cycle.size)
             if self.draft is not None and cycle.taps is not None:
                 # The committed positions' taps are the drafter's next context.
-                taps = cycle.taps[:, : accepted + 1]
-                self._context = (
-                    taps if self._context is None else mx.concatenate([self._context, taps], axis=1)
-                )
-            self._timed("rollback", [c.state for c in self.cache])
+                self._context.append(cycle.taps[:, : accepted + 1])
         return commit, mx.array([bonus], dtype=mx.int32)
 
     def generate(
@@ -311,8 +310,9 @@ class SpeculativeDecoder:
             return
         commit, last = self._read(self.prefill(prompt), first=True)
         produced = 0
-        # Plain decoding without penalties or constraints can queue step n+1 before reading n.
-        lookahead = self.block_size == 1 and not self.sampler.processors and not self.constraint
+        # Without penalties or constraints (which read the committed tokens on the host), the
+        # cycle after a plain step can be queued before that step is read back.
+        lookahead = not self.sampler.processors and self.constraint is None
         queued: _Cycle | None = None
         while True:
             commit = _terminate(commit, max_tokens - produced, eos_ids)
@@ -323,10 +323,12 @@ class SpeculativeDecoder:
             if commit.finish is not None:
                 yield commit
                 return
-            cycle = queued or self._queue_cycle(last, min(self.block_size, max_tokens - produced))
+            room = max_tokens - produced
+            cycle = queued or self._queue_cycle(last, self.policy.next_size(room))
             yield commit
-            if lookahead:
-                queued = self._queue_cycle(cycle.result[1:2], 1)
+            queued = None
+            if lookahead and cycle.size == 1 and room > 1:
+                queued = self._queue_cycle(cycle.result[1:2], self.policy.next_size(room - 1))
             commit, last = self._read(cycle)
 
 

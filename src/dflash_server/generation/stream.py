@@ -18,11 +18,14 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from dflash_server.generation.controller import BlockController
+from dflash_server.generation.costs import CostModel, costs_for
 from dflash_server.generation.prefix import PrefixStore
 from dflash_server.generation.request import (
+    BlockSize,
     GenerationRequest,
     Prebuilt,
-    block_size_for,
+    block_policy,
 )
 from dflash_server.generation.sampling import SamplingParams, TokenConstraint, TokenSampler
 from dflash_server.generation.speculative import Commit, SpeculativeDecoder, SpeculativeStats
@@ -131,13 +134,19 @@ def generate(
     prefill_step_size: int = 2048,
     profile: bool = False,
     prefix: PrefixStore | None = None,
+    costs: CostModel | None = None,
 ) -> Iterator[GenerationResponse]:
     """Run one request (``draft`` must be bound to ``model``; ignored when not speculative).
 
     ``prefix``: a prefix cache to restore the prompt's longest cached prefix from and to keep
-    this prompt's state in (at ``request.checkpoints``).
+    this prompt's state in (at ``request.checkpoints``). ``costs``: the pair's cycle costs for
+    ``request.adaptive`` (default: measured once per pair, see ``costs_for``).
     """
     draft = draft if request.speculative else None
+    policy = None
+    if draft is not None and request.adaptive:
+        costs = costs if costs is not None else costs_for(model, draft)
+        policy = BlockController(request.block_size, costs.copy())
     target = TargetModel.of(model, draft.config.target_layer_ids if draft else ())
     constraint = None if request.constraint is None else request.constraint.build(tokenizer)
     decoder = SpeculativeDecoder(
@@ -151,6 +160,7 @@ def generate(
         constraint,
         prefix,
         request.checkpoints,
+        policy,
     )
     text = TextStream(tokenizer, request.stop)
     prompt = list(request.prompt)
@@ -224,7 +234,7 @@ def stream_generate(
     draft: DFlashDraftModel | None,
     tokenizer: TokenizerWrapper,
     prompt: str | Sequence[int] | mx.array,
-    block_size: int | None = None,
+    block_size: BlockSize | None = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -249,6 +259,8 @@ def stream_generate(
     (an mlx-lm sampler, as older reference code passes) replaces temperature/top-p/top-k/min-p.
     ``logprobs=k`` reports each token's log-probability and its k best alternatives (k may be 0);
     ``constraint`` (a grammar matcher, see ``TokenConstraint``) restricts every position.
+    ``block_size``: None (as the reference) verifies the drafter's trained block every cycle, a
+    number that many positions, ``"auto"`` lets the controller pick 1..trained per cycle.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -259,13 +271,15 @@ def stream_generate(
     )  # fmt: skip
     if draft is not None:
         draft.bind(model)  # cheap; the engine binds once at load and calls ``generate``
+    width, adaptive = block_policy(draft, block_size)
     request = GenerationRequest(
         prompt=tuple(encode(tokenizer, prompt)),
         max_tokens=max_tokens,
         sampling=sampling,
         seed=seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        block_size=block_size_for(draft, block_size),
+        block_size=width,
+        adaptive=adaptive,
         logprobs=logprobs,
         constraint=None if constraint is None else Prebuilt(constraint),
         sampler=sampler,

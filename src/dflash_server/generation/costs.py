@@ -1,0 +1,190 @@
+"""What a cycle costs on this machine and model pair: measured once at load, refined per request.
+
+``t(1)`` is one plain decoding step; ``t(B)`` for ``B >= 2`` is one drafter pass plus one verify of
+``B`` positions (with the recording and rollback it needs). ``measure_costs`` times a few verify
+widths and the draft pass on a short context (a second or two); widths in between are
+interpolated linearly, which is how verify cost grows in the memory-bound regime (FACTS §8).
+
+A request refines its own copy from the wall time of its real cycles: one correction factor for
+plain steps and one for speculative cycles, updated in log space and clipped, so a slow consumer
+or a long context shifts the estimates without one outlier flipping the choice.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from dflash_server.models.drafter import DFlashDraftModel
+
+_ALPHA = 0.25  # weight of one observed cycle in the running correction
+_CLIP = math.log(3.0)  # one observation moves the correction by at most this (log) factor
+
+
+@dataclass
+class CostModel:
+    """Seconds per cycle by block size; ``verify`` and ``draft`` are keyed by measured widths."""
+
+    plain: float  # one plain decoding step
+    verify: dict[int, float]  # width -> verify seconds (width 1 = a recorded one-token verify)
+    draft: dict[int, float]  # block size -> drafter pass seconds
+    measured_s: float = 0.0  # how long measuring took
+    refine: bool = True  # fold real cycle timings in (off: keep the measured curve as is)
+    # log(observed / measured): shared by all widths, plus a residual per kind (plain, spec),
+    # so a machine-wide drift seen only in speculative cycles moves plain steps' estimate too.
+    log_scale: float = 0.0
+    residual: dict[str, float] = field(default_factory=lambda: {"plain": 0.0, "spec": 0.0})
+
+    @staticmethod
+    def _interp(points: dict[int, float], x: int) -> float:
+        xs = sorted(points)
+        if x <= xs[0]:
+            lo, hi = xs[0], xs[min(1, len(xs) - 1)]
+        elif x >= xs[-1]:
+            lo, hi = xs[max(0, len(xs) - 2)], xs[-1]
+        else:
+            hi = next(v for v in xs if v >= x)
+            lo = max(v for v in xs if v <= x)
+        if hi == lo:
+            return points[lo]
+        slope = (points[hi] - points[lo]) / (hi - lo)
+        return max(points[lo] + slope * (x - lo), 1e-6)
+
+    def base(self, size: int) -> float:
+        """The load-time estimate of one cycle of ``size`` positions."""
+        if size <= 1:
+            return self.plain
+        return self._interp(self.draft, size) + self._interp(self.verify, size)
+
+    def cycle(self, size: int) -> float:
+        """The current estimate (load-time shape times this request's correction)."""
+        kind = "plain" if size <= 1 else "spec"
+        return self.base(size) * math.exp(self.log_scale + self.residual[kind])
+
+    def observe(self, size: int, seconds: float) -> None:
+        """Fold one real cycle's wall time into the corrections."""
+        if not self.refine or not seconds > 0:
+            return
+        kind = "plain" if size <= 1 else "spec"
+        error = math.log(seconds / self.base(size)) - self.log_scale - self.residual[kind]
+        error = max(-_CLIP, min(_CLIP, error))
+        self.log_scale += _ALPHA * error
+        self.residual[kind] += _ALPHA / 2 * error
+
+    def copy(self) -> CostModel:
+        return replace(self, verify=dict(self.verify), draft=dict(self.draft),
+                       residual=dict(self.residual))  # fmt: skip
+
+    def as_dict(self) -> dict[str, Any]:
+        """Milliseconds, for logs and stats."""
+        return {
+            "plain_ms": round(1e3 * self.cycle(1), 3),
+            "draft_ms": {b: round(1e3 * t, 3) for b, t in sorted(self.draft.items())},
+            "verify_ms": {b: round(1e3 * t, 3) for b, t in sorted(self.verify.items())},
+        }
+
+    def describe(self) -> str:
+        """One startup log line."""
+        verify = ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in sorted(self.verify.items()))
+        draft = ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in sorted(self.draft.items()))
+        return (
+            f"cycle cost (ms): plain step {1e3 * self.plain:.1f}; verify by width {{{verify}}}; "
+            f"draft {{{draft}}} (measured in {self.measured_s:.1f} s)"
+        )
+
+
+def _widths(block: int) -> list[int]:
+    return sorted({w for w in (1, 2, 4, 8, 16, 32) if w < block} | {block})
+
+
+def measure_costs(
+    model: nn.Module,
+    draft: DFlashDraftModel,
+    *,
+    context: int = 64,
+    repeats: int = 3,
+    budget_s: float = 3.0,
+) -> CostModel:
+    """Time a plain step, verifies of a few widths and the drafter pass (medians of ``repeats``
+    after a warm-up) on a ``context``-token prompt; stops repeating once ``budget_s`` is spent.
+
+    Runs MLX work: call it on the thread that owns the models (the engine's worker).
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    from dflash_server.generation.target import TargetModel
+
+    start = time.perf_counter()
+    block = int(draft.config.block_size)
+    target = TargetModel.of(model, tuple(draft.config.target_layer_ids))
+    ids = mx.arange(1, context + block + 1)[None] % 97 + 1
+    with mx.stream(generation_stream):
+        cache = target.make_cache()
+        _, taps = target.forward(ids[:, :context], cache, slice(-1, None))
+        draft_cache = draft.make_cache()
+        draft.append_context(taps, draft_cache)
+        mx.eval([c.state for c in cache], [c.state for c in draft_cache])
+    rollback = target.make_rollback(cache)
+
+    def timed(fn: Any) -> float:
+        fn()  # warm-up: kernels, allocations
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+            if time.perf_counter() - start > budget_s:
+                break
+        return statistics.median(runs)
+
+    def verify(width: int) -> Any:
+        """A recorded verify of ``width`` positions, rolled back so every run sees one context
+        (width 1 stands for a plain step: recording one token adds next to nothing)."""
+
+        def run() -> None:
+            with mx.stream(generation_stream):
+                with rollback.recording():
+                    logits, t = target.forward(
+                        ids[:, context : context + width], cache, slice(None)
+                    )
+                mx.eval(mx.argmax(logits, axis=-1), t)
+                rollback.rollback(keep=0, fed=width)
+                mx.eval([c.state for c in cache])
+
+        return run
+
+    def drafting(size: int) -> Any:
+        block_ids = mx.array([[1] + [draft.config.mask_token_id] * (size - 1)])
+
+        def run() -> None:
+            with mx.stream(generation_stream):
+                logits = draft(block_ids, None, draft_cache, logits_start=1)
+                mx.eval(mx.argmax(logits, axis=-1))
+
+        return run
+
+    costs = CostModel(
+        plain=timed(verify(1)),
+        verify={w: timed(verify(w)) for w in _widths(block) if w > 1},
+        draft={s: timed(drafting(s)) for s in sorted({2, block})},
+    )
+    costs.verify[1] = costs.plain
+    costs.measured_s = time.perf_counter() - start
+    return costs
+
+
+def costs_for(model: nn.Module, draft: DFlashDraftModel) -> CostModel:
+    """The cost model of this pair, measured on first use and kept on the drafter (the engine
+    measures at load, so requests never wait for it)."""
+    cached = draft.__dict__.get("_dflash_costs")
+    if cached is None or cached[0] is not model:
+        cached = (model, measure_costs(model, draft))
+        draft.__dict__["_dflash_costs"] = cached
+    return cached[1]

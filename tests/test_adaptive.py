@@ -1,0 +1,263 @@
+"""block_size "auto": the controller's choices, and losslessness for any sequence of widths."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_server import stream_generate
+from dflash_server.generation.controller import AcceptanceModel, BlockController
+from dflash_server.generation.costs import CostModel
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.target import TargetModel
+from dflash_server.testing import ReplayDrafter, random_drafter
+
+N = 60
+
+
+def costs(
+    plain: float = 1.0, verify16: float = 1.8, draft: float = 0.5, refine: bool = False
+) -> CostModel:
+    """A synthetic cost curve: verify grows linearly from a plain step to ``verify16``; by
+    default not refined from timings (tests run on any machine)."""
+    verify = {w: plain + (verify16 - plain) * (w - 1) / 15 for w in (1, 2, 4, 8, 16)}
+    return CostModel(plain=plain, verify=verify, draft={2: draft, 16: draft}, refine=refine)
+
+
+class Scripted:
+    """A policy that plays a fixed sequence of widths (cycled), whatever happens."""
+
+    adaptive = True
+
+    def __init__(self, sizes: list[int], block_size: int = 16):
+        self.sizes, self.block_size, self.i = sizes, block_size, 0
+
+    def next_size(self, room: int) -> int:
+        size = self.sizes[self.i % len(self.sizes)]
+        self.i += 1
+        return max(1, min(size, room))
+
+    def observe(self, size: int, accepted: int, seconds: float | None) -> None:
+        pass
+
+    def estimate(self) -> None:
+        return None
+
+
+def plain(model, ids, n=N) -> list[int]:
+    return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+
+
+def decode(model, draft, ids, policy, n=N, params=None, seed=0):
+    target = TargetModel.of(model, draft.config.target_layer_ids)
+    sampler = TokenSampler(params or SamplingParams(), seed)
+    decoder = SpeculativeDecoder(target, draft, sampler, 16, policy=policy)
+    tokens = [t for commit in decoder.generate(ids, n) for t in commit.tokens]
+    return tokens, decoder.stats
+
+
+# -- the controller alone ---------------------------------------------------------------------
+
+
+def test_expected_tokens_per_cycle():
+    assert AcceptanceModel.expected([1.0] * 15, 16) == 16
+    assert AcceptanceModel.expected([0.0] * 15, 16) == 1
+    assert AcceptanceModel.expected([0.5] * 15, 3) == pytest.approx(1.75)
+
+
+def test_controller_widens_on_acceptance_and_falls_back_on_rejection():
+    c = BlockController(16, costs())
+    for _ in range(10):
+        size = c.next_size(100)
+        c.observe(size, size - 1, None)  # everything accepted
+    assert c.next_size(100) == 16
+    for _ in range(10):
+        size = c.next_size(100)
+        c.observe(size, 0, None)  # nothing accepted
+        if size == 1:
+            break
+    assert c.next_size(100) == 1
+    estimate = c.estimate()
+    assert estimate["block_size"] == 1 and estimate["expected_tau"] < 1.2
+
+
+def test_controller_probes_and_recovers():
+    c = BlockController(16, costs(), probe_gap=8, max_probe_gap=32)
+    sizes = []
+    for _ in range(10):  # a drafter that never agrees
+        size = c.next_size(1000)
+        sizes.append(size)
+        c.observe(size, 0, None)
+    for _ in range(200):
+        size = c.next_size(1000)
+        sizes.append(size)
+        c.observe(size, 0, None)
+    probes = [i for i, s in enumerate(sizes[10:]) if s > 1]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert probes and gaps == sorted(gaps) and max(gaps) <= 33  # backing off, bounded
+    assert sizes[-1] == 1
+    # The text turns predictable: the next probe accepts everything and speculation resumes.
+    for _ in range(64):
+        size = c.next_size(1000)
+        c.observe(size, size - 1, None)
+        if size > 1 and c.next_size(1000) > 1:
+            break
+    else:
+        pytest.fail("the controller never resumed speculation")
+
+
+def test_costs_pick_plain_when_verifying_is_expensive():
+    # Verify 16 at 20 plain steps: even perfect acceptance (tau 16) never pays.
+    c = BlockController(16, costs(verify16=20.0, draft=2.0))
+    for _ in range(20):
+        size = c.next_size(100)
+        c.observe(size, size - 1, None)
+    assert c.next_size(100) == 1
+
+
+def test_width_settles_at_the_acceptance_length():
+    # Three drafts always survive, the fourth never: wider blocks only cost more.
+    c = BlockController(16, costs(verify16=4.0))
+    for _ in range(30):
+        size = c.next_size(100)
+        c.observe(size, min(size - 1, 3), None)
+    assert 4 <= c.next_size(100) <= 6
+
+
+def test_cost_model_refines_from_observations():
+    model = costs(refine=True)
+    before = model.cycle(16)
+    for _ in range(30):
+        model.observe(16, 2 * before)
+    assert model.cycle(16) == pytest.approx(2 * before, rel=0.05)
+    assert model.cycle(8) > model.base(8) * 1.8  # the correction applies to every width
+    assert model.base(1) < model.cycle(1) < model.cycle(16) / model.base(16)  # plain: partly
+    for _ in range(60):
+        model.observe(1, model.base(1))  # plain steps as measured: their own residual
+    assert model.cycle(1) == pytest.approx(model.base(1), rel=0.1)
+    assert model.cycle(16) > 1.3 * before  # speculative cycles keep most of their correction
+    model.observe(16, 1e9)  # one outlier moves it by a bounded factor only
+    assert model.cycle(16) < 4 * 2 * before
+
+
+# -- lossless for any sequence of widths ------------------------------------------------------
+
+SCRIPTS = [[1, 16, 3, 1, 1, 7, 2], [5, 1], [1] * 20 + [16] * 3, [2, 16, 1, 4]]
+
+
+@pytest.fixture(params=["tiny_hybrid", "tiny_attn"])
+def target(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=["mixed", "alternate", "plain-run", "wide"])
+def test_greedy_is_lossless_whatever_the_widths(target, script):
+    model, tokenizer = target
+    ids = tokenizer.encode("def fibonacci(n):")
+    reference = plain(model, ids)
+    tokens, stats = decode(model, random_drafter(model), ids, Scripted(script))
+    assert tokens == reference
+    draft = ReplayDrafter(ids + reference, [15], random_drafter(model))  # drafts always right
+    tokens, stats = decode(model, draft, ids, Scripted(script))
+    assert tokens == reference
+    # Every speculative cycle accepted all its drafts: the drafter's context (plain steps'
+    # positions included) lined up with the committed tokens throughout.
+    assert stats.accepted == stats.drafted
+    widths = {b for b, n in enumerate(stats.block_size_histogram) if n}
+    assert set(script) <= widths  # each scripted width ran (the last may be cut by max_tokens)
+
+
+def test_greedy_with_penalties_and_changing_widths(tiny_hybrid):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tokenizer = tiny_hybrid
+    ids = tokenizer.encode("The quick brown fox")
+    processors = make_logits_processors(None, 1.3, 20, 0.7, 20, None, 20)
+    reference = [
+        t
+        for t, _ in generate_step(mx.array(ids), model, max_tokens=N, logits_processors=processors)
+    ]
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.7)
+    draft = ReplayDrafter(ids + reference, [3, 0, 15], random_drafter(model))
+    tokens, _ = decode(model, draft, ids, Scripted(SCRIPTS[0]), params=params)
+    assert tokens == reference
+
+
+def test_sampling_is_exact_with_changing_widths(tiny_hybrid):
+    """Joint law of the first 3 tokens when cycles switch between widths (cf. test_sampling)."""
+    from collections import Counter
+
+    from tests.test_sampling import total_variation, tv_tolerance
+
+    model, tokenizer = tiny_hybrid
+    prompt = tokenizer.encode("The quick brown")
+    params = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
+    inner = random_drafter(model, block_size=4)
+    target = TargetModel(model, inner.config.target_layer_ids)
+
+    def law(prefix: list[int]) -> dict[int, float]:
+        sampler = TokenSampler(params)
+        logits = target.forward(
+            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
+        )[0]
+        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
+        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
+        return {i: v for i, v in enumerate(probs) if v > 0}
+
+    exact = {
+        (t0, t1, t2): p0 * p1 * p2
+        for t0, p0 in law([]).items()
+        for t1, p1 in law([t0]).items()
+        for t2, p2 in law([t0, t1]).items()
+    }
+    best = max(exact, key=exact.get)
+    n, counts = 500, Counter()
+    for seed in range(n):
+        draft = ReplayDrafter(prompt + list(best) + [0] * 8, [3], inner)
+        # The width depends on the seed: plain first, a 2-wide block, or a 3-wide one.
+        script = [[1, 2], [2, 1], [3], [1, 1]][seed % 4]
+        decoder = SpeculativeDecoder(
+            target, draft, TokenSampler(params, seed=seed), 4, policy=Scripted(script, 4)
+        )
+        counts[tuple(t for commit in decoder.generate(prompt, 3) for t in commit.tokens)] += 1
+    assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)
+
+
+# -- "auto" end to end ------------------------------------------------------------------------
+
+
+def test_auto_through_stream_generate(tiny_hybrid):
+    model, tokenizer = tiny_hybrid
+    ids = tokenizer.encode("def fibonacci(n):")
+    n = 160
+    reference = plain(model, ids, n)
+    # Predictable, then hopeless (drafter calls, not tokens: plain steps call no drafter), then
+    # predictable again.
+    pattern = [15] * 4 + [0] * 4 + [15] * 200
+    draft = ReplayDrafter(ids + reference, pattern, random_drafter(model))
+    draft.__dict__["_dflash_costs"] = (model, costs())  # no timing in tests
+    out = list(stream_generate(model, draft, tokenizer, ids, "auto", max_tokens=n))
+    assert [t for r in out for t in r.tokens] == reference
+    stats = out[-1].stats
+    d = stats.as_dict()
+    assert d["block_policy"] == "auto" and d["block_size"] == 16
+    hist = d["block_size_histogram"]
+    assert hist[1] > 0 and sum(hist[2:]) > 0  # both plain steps and speculation happened
+    assert 0 < d["plain_share"] < 1
+    assert d["controller"]["block_size"] > 1  # recovered by the end
+    assert "blocks (auto)" in stats.summary()
+
+
+def test_block_size_none_is_the_trained_block_and_fixed(tiny_hybrid):
+    model, tokenizer = tiny_hybrid
+    ids = tokenizer.encode("hello")
+    out = list(
+        stream_generate(model, random_drafter(model, block_size=8), tokenizer, ids, None, 12)
+    )
+    d = out[-1].stats.as_dict()
+    assert d["block_policy"] == "fixed" and d["block_size"] == 8 and "controller" not in d
+    assert d["block_size_histogram"][8] > 0  # the trained block (the last cycle may be cut)
