@@ -35,6 +35,7 @@ SUBCOMMANDS = {
     "convert": ("dflash_server.tools.convert", "convert a drafter checkpoint (e.g. quantize it)"),
     "train": ("dflash_server.tools.train", "train or fine-tune a drafter on your target"),
     "export": ("dflash_server.tools.export", "print the vLLM/SGLang command for a GPU server"),
+    "bench": ("dflash_server.tools.bench", "plain vs DFlash (fixed, auto) on this machine"),
 }
 
 
@@ -66,13 +67,31 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> Non
         help_text += f" ({', '.join(list_presets())})"
     if (default := _default(info)) is not None:
         help_text += f" (default: {default})"
+    words = [w for a in args if get_origin(a) is Literal for w in get_args(a)]
     if args[0] is bool:
         group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=help_text)
+    elif words and len(args) > 1:  # a number or a word ("auto")
+        group.add_argument(_flag(name), type=_number_or(words), metavar="N|" + "|".join(words),
+                           help=help_text)  # fmt: skip
     elif get_origin(args[0]) is Literal:
         group.add_argument(_flag(name), choices=list(get_args(args[0])), help=help_text)
     else:
         scalar = args[0] if args[0] in (int, float) else str  # lists come comma separated
         group.add_argument(_flag(name), type=scalar, help=help_text)
+
+
+def _number_or(words: list[str]) -> Any:
+    def parse(text: str) -> int | str:
+        if text in words:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a number or {', '.join(map(repr, words))}, got {text!r}"
+            ) from None
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -199,8 +199,16 @@ class Settings(BaseSettings, _SamplingDefaults):
     )
 
     # Generation defaults, used when a request leaves the field out
-    block_size: int | None = Field(
-        None, ge=1, description="draft block size, 2..the drafter's (default: the drafter's)"
+    block_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="draft block size: 'auto' (per cycle, 1..the drafter's, from acceptance and "
+        "measured costs) or a fixed 2..the drafter's",
+    )
+    draft_window: int | None = Field(
+        None,
+        ge=0,
+        description="drafter context: sinks + newest positions its full-attention layers see "
+        "(default: the config's sliding_window_size, else 4096; 0: the whole context)",
     )
     speculative: bool = Field(True, description="draft with DFlash (off: plain decoding)")
     max_tokens: int | None = Field(

@@ -49,6 +49,7 @@ def build_engine(
             settings.context_length,
             target_label=settings.target,
             draft_label=settings.draft,
+            draft_window=settings.draft_window,
         )
         for line in describe(models.summary).splitlines():
             log.info("%s", line)

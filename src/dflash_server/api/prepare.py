@@ -30,7 +30,7 @@ from dflash_server.api.types import (
 from dflash_server.engine.prompts import Prompt, PromptError, render_chat, render_completion
 from dflash_server.engine.structured import Grammar
 from dflash_server.engine.worker import Engine
-from dflash_server.generation.request import GenerationRequest, block_size_for
+from dflash_server.generation.request import GenerationRequest, block_policy
 from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
 from dflash_server.settings import Settings
 
@@ -72,17 +72,18 @@ def _check_request(req: SamplingFields, settings: Settings, engine: Engine) -> N
         raise APIError(503, message, code="model_not_ready", headers={"Retry-After": "5"})
 
 
-def _block_size(req: SamplingFields, settings: Settings, draft: Any | None) -> int:
-    """The request's block size (checked), else the server's (fitted to the drafter); 1: plain."""
+def _block_size(req: SamplingFields, settings: Settings, draft: Any | None) -> tuple[int, bool]:
+    """(block size, adaptive): the request's (checked), else the server's (fitted to the
+    drafter); (1, False): plain decoding."""
     speculative = settings.speculative if req.speculative is None else req.speculative
     if not speculative:
-        return 1
+        return 1, False
     if req.block_size is None:
-        return block_size_for(draft, settings.block_size, clamp=True)
+        return block_policy(draft, settings.block_size, clamp=True)
     if draft is None:
         raise APIError(400, "no drafter is loaded, block_size cannot apply", param="block_size")
     try:
-        return block_size_for(draft, req.block_size)
+        return block_policy(draft, req.block_size)
     except ValueError as exc:
         raise APIError(400, str(exc), param="block_size", code="invalid_value") from exc
 
@@ -111,6 +112,7 @@ def _request(
     defaults = {name: getattr(settings, name) for name in SERVED_FIELDS}
     # Default: as many tokens as fit, so long answers are not cut off at an arbitrary cap.
     limit = max_tokens or settings.max_tokens or room
+    block_size, adaptive = _block_size(req, settings, engine.models.draft)
     return GenerationRequest(
         prompt=tuple(prompt.tokens),
         max_tokens=min(limit, room),
@@ -119,7 +121,8 @@ def _request(
         ),
         seed=None if req.seed == -1 else req.seed,
         stop=tuple(req.stop or ()),
-        block_size=_block_size(req, settings, engine.models.draft),
+        block_size=block_size,
+        adaptive=adaptive,
         logprobs=requested_logprobs(req),
         reasoning=prompt.reasoning,
         checkpoints=prompt.checkpoints,

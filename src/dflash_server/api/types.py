@@ -7,7 +7,7 @@ fields are ignored, as the OpenAI SDKs send provider-specific ones.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -75,8 +75,8 @@ class SamplingFields(_SamplingOverrides):
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     # DFlash extensions
-    block_size: int | None = Field(
-        None, ge=1, le=MAX_INT, description="draft block size for this request"
+    block_size: Annotated[int, Field(ge=1, le=MAX_INT)] | Literal["auto"] | None = Field(
+        None, description="draft block size for this request: 2..the drafter's, or 'auto'"
     )
     speculative: bool | None = Field(None, description="false: plain decoding, no drafter")
     dflash_tokens: bool | None = Field(

@@ -123,11 +123,16 @@ def load_models(
     *,
     target_label: str | None = None,
     draft_label: str | None = None,
+    draft_window: int | None = None,
+    measure: bool = True,
 ) -> LoadedModels:
     """Load target (+ drafter, bound to it). Runs on the engine's worker thread: it is MLX work.
 
     ``target``/``draft`` may be hub ids or folders; the labels (the user's spelling, when the
     CLI already resolved them to cache folders) are what the logs and /health show.
+    ``draft_window``: the drafter's context window (None: its config's, else
+    ``DEFAULT_WINDOW``; 0: the whole context). ``measure``: time the cycle costs that
+    ``block_size: "auto"`` decides by (a second or two), now rather than at the first request.
     """
     import mlx.core as mx
 
@@ -172,6 +177,15 @@ def load_models(
         TargetModel.of(model, tuple(drafter.config.target_layer_ids) if drafter else ())
     except HookError as exc:
         raise ModelLoadError(f"cannot use target {target_label!r}: {exc}") from exc
+    if drafter is not None:
+        from dflash_server.generation.costs import costs_for
+        from dflash_server.models.window import DEFAULT_WINDOW, apply_draft_window, default_window
+
+        if draft_window is None:
+            draft_window = default_window(drafter) or DEFAULT_WINDOW
+        summary["draft_window"] = apply_draft_window(drafter, draft_window)
+        if measure:
+            summary["cycle_costs"] = costs_for(model, drafter).describe()
     summary["fingerprint"] = _fingerprint(target_path, draft_path if draft else None)
     model_ctx = _model_context(target_cfg) or DEFAULT_CONTEXT
     ctx = min(context_length, model_ctx) if context_length else model_ctx
@@ -208,6 +222,8 @@ def _size(gb: float) -> str:
 
 def describe(summary: dict[str, Any]) -> str:
     """One startup log line per model, so users see exactly what they are serving."""
+    from dflash_server.models.window import SINKS
+
     lines = [
         f"target {summary['target']}: {summary['target_type']}, "
         f"{_size(summary['target_weights_gb'])} weights, {summary['target_quantization']}, "
@@ -220,6 +236,13 @@ def describe(summary: dict[str, Any]) -> str:
             f"{_size(summary['draft_weights_gb'])} weights, {summary['draft_quantization']}, "
             f"block size {summary['block_size']}, taps {summary['target_layer_ids']}"
         )
+        window = summary.get("draft_window")
+        lines.append(
+            "draft context: "
+            + (f"{window} positions ({SINKS} sinks + newest)" if window else "the whole context")
+        )
+        if "cycle_costs" in summary:
+            lines.append(summary["cycle_costs"])
     else:
         lines.append("no drafter: plain (non-speculative) decoding")
     lines.append(f"MLX active memory after load: {_size(summary['active_memory_gb'])}")

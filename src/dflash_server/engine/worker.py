@@ -304,13 +304,16 @@ class Engine:
         cached = last.stats.cached_tokens if last.stats is not None else 0
         reason = last.finish_reason or "length"
         done = Finished(reason, prompt_tokens, run.produced, stats, cached, last.stop)
+        speculation = "plain decoding"
+        if job.request.speculative and last.stats is not None:
+            speculation = last.stats.summary()  # tau, block sizes used, plain share, estimate
         log.info(
-            "request: %d prompt (%s) + %d output tokens (%s), %.1f tok/s, tau %s",
+            "request: %d prompt (%s) + %d output tokens (%s), %.1f tok/s, %s",
             done.prompt_tokens,
             f"prefix cache hit: {cached} reused" if cached else "prefix cache miss",
             done.completion_tokens,
             done.finish_reason,
             stats["generation_tps"],
-            stats.get("tau", "-") if job.request.speculative else "- (plain decoding)",
+            speculation,
         )
         return done

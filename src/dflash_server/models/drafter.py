@@ -53,6 +53,7 @@ class DFlashConfig:
     rope_scaling: dict[str, Any] | None = None
     layer_types: tuple[str, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    sliding_window_size: int | None = None  # a context window for every layer (reference key)
     # None: the family's rule (DFlash: bidirectional block; DFlash2: causal on sliding layers).
     is_causal: bool | None = None
     output_multiplier: float = 1.0
@@ -217,7 +218,13 @@ class DFlashAttention(nn.Module):
             hd, config.rope_theta, False, config.rope_scaling, config.max_position_embeddings
         )
 
+    context_window: tuple[int, int] | None = None  # (window, sinks): see models/window.py
+
     def make_cache(self) -> ContextCache:
+        if self.window is None and self.context_window is not None:
+            from dflash_server.models.window import SinkContextCache
+
+            return SinkContextCache(*self.context_window)
         return ContextCache(None if self.window is None else self.window - 1)
 
     def _keys_values(

@@ -120,9 +120,15 @@ def drafter_family(raw: dict[str, Any]) -> DrafterFamily:
     )
 
 
-def load_draft(path_or_repo: str | Path, target: nn.Module | None = None) -> DFlashDraftModel:
+def load_draft(
+    path_or_repo: str | Path,
+    target: nn.Module | None = None,
+    sliding_window_size: int | None = None,
+) -> DFlashDraftModel:
     """Load a drafter unmodified (DFlash, DFlash2 or an "assistant" export; MLX-quantized
-    exports included). Binds ``target`` if given."""
+    exports included). Binds ``target`` if given. ``sliding_window_size`` (as in the reference)
+    bounds the context of its full-attention layers (sinks + newest, ``models/window.py``);
+    default: the config's ``sliding_window_size``, else the whole context."""
     path = resolve_model_path(path_or_repo, _DRAFT_PATTERNS)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -144,6 +150,9 @@ def load_draft(path_or_repo: str | Path, target: nn.Module | None = None) -> DFl
     load_weights_strict(model, weights, source=f"{path} ({family.name} layout)")
     model.eval()
     mx.eval(model.parameters())
+    from dflash_server.models.window import apply_draft_window, default_window
+
+    apply_draft_window(model, sliding_window_size or default_window(model))
     if target is not None:
         model.bind(target)
     return model

@@ -28,6 +28,7 @@ _REQUIRED_KEYS = (
 # Keys a config may omit, with the value that means "absent" (``to_dict`` leaves them out).
 OPTIONAL_DEFAULTS: dict[str, Any] = {
     "is_causal": None,
+    "sliding_window_size": None,
     "output_multiplier": 1.0,
     "final_logit_softcapping": None,
     "input_embedding_scale": 1.0,
@@ -110,6 +111,7 @@ def dflash_kwargs(cfg: dict[str, Any], *, need_vocab: bool = True) -> dict[str, 
         rope_scaling=rope_scaling,
         layer_types=tuple(cfg.get("layer_types") or ()),
         sliding_window=cfg.get("sliding_window"),
+        sliding_window_size=key("sliding_window_size"),
         is_causal=None if causal is None else bool(causal),
         output_multiplier=float(key("output_multiplier", 1.0)),
         final_logit_softcapping=softcap(key("final_logit_softcapping")),

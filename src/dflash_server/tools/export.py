@@ -259,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dflash-serve export: error: {exc}", file=sys.stderr)
         return 2
     notes: list[str] = []
-    block = settings.block_size or drafter_block_size(str(settings.draft))
+    fixed = settings.block_size if isinstance(settings.block_size, int) else None  # not "auto"
+    block = fixed or drafter_block_size(str(settings.draft))
     if block is None:
         block = CARD_BLOCK_SIZE
         notes.append(
