@@ -34,10 +34,11 @@ from dflash_server.generation.stream import generate
 from dflash_server.generation.target import TargetModel
 from dflash_server.testing import build_target, mask_token_id
 
-WORDS = (
+SENTENCE = (
     "the model reads files runs tests and edits code while the user waits for a short answer "
-    "about the function that parses configuration values and reports errors to the caller "
-).split()
+    "about the function that parses configuration values and reports errors to the caller"
+)
+WORDS = SENTENCE.split()
 
 
 def text(n_words: int, seed: int) -> str:
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     from bench_dflash import random_drafter  # the published drafter shape (5 layers)
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_target(Path(tmp) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000)
+        path = build_target(
+            Path(tmp) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000
+        )
         model, tokenizer = load(str(path))
         draft = random_drafter(model, mask_id=mask_token_id(path))
         prompts = trace(tokenizer, a.system_words, a.turns, a.turn_words)
