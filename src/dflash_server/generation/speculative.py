@@ -246,8 +246,10 @@ class SpeculativeDecoder:
             drafts, log_q = self.draft.propose(
                 block, self._take_context(), self.draft_cache, self.sampler, history
             )
-            # Start drafting now; the rollback and verify graphs are built while it runs.
-            mx.async_eval(drafts, *([] if log_q is None else [log_q]))
+            if self.stats.timings is None:
+                # Start drafting now; the rollback and verify graphs are built while it runs
+                # (on Metal; on CPU async_eval returns once little work is left queued).
+                mx.async_eval(drafts, *([] if log_q is None else [log_q]))
             self._timed("draft", drafts)
             self._apply_rollback()
             verify_input = mx.concatenate([last, drafts.astype(last.dtype)])

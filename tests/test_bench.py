@@ -1,0 +1,46 @@
+"""``dflash-serve bench``: table and JSON on a tiny pair, every mode, the drafter family."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_server.cli import main
+from server_fixtures import build_draft
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    draft = build_draft(tmp_path_factory.mktemp("bench") / "draft", tiny_hybrid_path, block_size=8)
+    return ["--target", str(tiny_hybrid_path), "--draft", str(draft)]
+
+
+def test_bench_json(pair: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", *pair, "--max-tokens", "12", "--modes", "plain,4,auto", "--json"]
+    assert main([*argv, "--prompt", "def add(a, b):"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["draft_family"] == "DFlash" and result["draft_window"] == 4096
+    assert result["prompts"] == ["code", "math", "chat", "own1"]
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"plain", "4", "auto"}
+    assert rows["plain"]["speedup"] == pytest.approx(1.0) and rows["plain"]["plain_share"] == 1
+    assert set(rows["4"]["block_sizes"]) <= {"1", "2", "3", "4"} and rows["4"]["tau"] >= 1
+    assert rows["auto"]["tokens_per_s"] > 0 and result["split_ms"]["4"]["verify"] > 0
+    assert result["verdict"]
+
+
+def test_bench_table(pair: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps("x = 1") + "\n")
+    argv = ["bench", *pair, "--max-tokens", "8", "--no-builtin", "--prompts", str(prompts)]
+    assert main([*argv, "--modes", "plain,auto"]) == 0
+    out = capsys.readouterr().out
+    assert "mode | tok/s | vs plain | tau" in out and "\nauto | " in out
+    assert "DFlash drafter" in out and ("best:" in out or "does not pay" in out)
+
+
+def test_bench_bad_modes(pair: list[str]) -> None:
+    with pytest.raises(SystemExit, match="unknown mode"):
+        main(["bench", *pair, "--modes", "plain,fast"])
