@@ -85,7 +85,7 @@ def component_times(
     """t(plain step), t(draft), t(verify block), each alone at a context of ``context`` tokens.
 
     t(draft) includes adding ``tau`` committed positions to the drafter's context, as each cycle
-    does, then trims them so every repeat sees the same context.
+    does, then restores the context so every repeat sees the same one.
     """
     target = TargetModel.of(model, draft.config.target_layer_ids)
     ids = mx.array((prompt * (context // len(prompt) + 1))[:context])[None]
@@ -112,11 +112,12 @@ def component_times(
     block_ids = mx.array([[1] + [draft.config.mask_token_id] * (block - 1)])
 
     new_context = taps[:, :tau]
+    saved = [c.snapshot() for c in dcache]
 
     def run_draft():
         mx.eval(mx.argmax(draft(block_ids, new_context, dcache, logits_start=1), axis=-1))
-        for c in dcache:
-            c.trim(tau)
+        for c, s in zip(dcache, saved):  # back to the same context for the next repeat
+            c.restore(s)
 
     return {
         "plain_step": forward_alone(1),

@@ -108,7 +108,7 @@ class BlockController:
         *,
         probe_gap: int = 16,
         max_probe_gap: int = 256,
-        probe_block: int = 4,
+        probe_block: int = 2,
         probe_decay: float = 0.25,
     ):
         self.max_block = max(1, max_block)

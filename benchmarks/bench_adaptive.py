@@ -1,0 +1,136 @@
+"""block_size "auto" vs plain decoding vs fixed block sizes, at forced acceptance levels.
+
+On one target (default: a random ~100M fp32 ``qwen3_5``, as ``bench_dflash.py``), for each
+``--tau``: the replaying test double commits ``tau`` tokens per full cycle (tau 0: the random
+published-shape drafter as is, tau ~1), with the real drafter pass paid. Modes: plain decoding
+(mlx-lm's ``generate_step`` and ours), fixed widths ``--fixed``, and the controller. Runs are
+interleaved (one run of every mode, then the next round) and medians reported; every mode's
+output must equal plain greedy.
+
+    LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 \\
+        python benchmarks/bench_adaptive.py --tau 0 1 2 4 8 --json /tmp/adaptive.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from dflash_server import load
+from dflash_server.generation.controller import BlockController
+from dflash_server.generation.costs import costs_for
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.target import TargetModel
+from dflash_server.models.target_parts import find_target_parts
+from dflash_server.testing import ReplayDrafter, build_target
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_dflash import PROMPT, random_drafter
+
+
+def mlx_lm_plain(model, prompt: list[int], n: int) -> tuple[list[int], float]:
+    tokens, start = [], None
+    for i, (tok, _) in enumerate(generate_step(mx.array(prompt), model, max_tokens=n)):
+        tokens.append(tok)
+        if i == 0:
+            start = time.perf_counter()
+    return tokens, (n - 1) / (time.perf_counter() - start)
+
+
+def ours(target, draft, prompt, n, mode, costs) -> tuple[list[int], float, dict]:
+    """Decode tokens/s of one mode: 'plain', a width, or 'auto'."""
+    if isinstance(draft, ReplayDrafter):
+        draft.cycle = 0
+    policy, width = None, 1
+    if mode == "auto":
+        policy, width = BlockController(16, costs.copy()), 16
+    elif mode != "plain":
+        width = int(mode)
+    decoder = SpeculativeDecoder(
+        target,
+        None if mode == "plain" else draft,
+        TokenSampler(SamplingParams(), 0),
+        width,
+        policy=policy,
+    )
+    tokens, start = [], None
+    for commit in decoder.generate(prompt, n):
+        start = start or time.perf_counter()
+        tokens.extend(commit.tokens)
+    rate = (len(tokens) - 1) / (time.perf_counter() - start)
+    return tokens, rate, decoder.stats.as_dict()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--target", help="mlx-lm model (default: build a random ~100M qwen3_5)")
+    ap.add_argument("--tau", type=int, nargs="*", default=[0, 1, 2, 4, 8])
+    ap.add_argument("--fixed", type=int, nargs="*", default=[2, 4, 8, 16])
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    path = args.target or build_target(
+        Path(tmp.name) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000
+    )
+    model, tokenizer = load(str(path))
+    prompt = tokenizer.encode(PROMPT)
+    vocab = find_target_parts(model).vocab_size
+    inner = random_drafter(model, block_size=16, mask_id=vocab - 1)
+    target = TargetModel.of(model, inner.config.target_layer_ids)
+    costs = costs_for(model, inner)
+    print(costs.describe(), flush=True)
+    reference, _ = mlx_lm_plain(model, prompt, args.tokens)
+    modes = ["mlx-lm", "plain", *map(str, args.fixed), "auto"]
+    results = {"costs": costs.as_dict(), "tokens": args.tokens, "rows": []}
+    for tau in args.tau:
+        draft = inner if tau == 0 else ReplayDrafter(prompt + reference, [tau - 1], inner)
+        for mode in modes[1:]:  # warm-up: kernels, allocations, compiled graphs
+            ours(target, draft, prompt, 24, mode, costs)
+        rates: dict[str, list[float]] = {m: [] for m in modes}
+        auto_stats = []
+        for _ in range(args.repeats):
+            for mode in modes:
+                if mode == "mlx-lm":
+                    tokens, rate = mlx_lm_plain(model, prompt, args.tokens)
+                else:
+                    tokens, rate, stats = ours(target, draft, prompt, args.tokens, mode, costs)
+                    if mode == "auto":
+                        auto_stats.append(stats)
+                assert tokens == reference, f"{mode} at tau {tau} differs from plain greedy"
+                rates[mode].append(rate)
+        med = {m: statistics.median(v) for m, v in rates.items()}
+        plain = max(med["mlx-lm"], med["plain"])
+        best_fixed = max(args.fixed, key=lambda b: med[str(b)])
+        last = auto_stats[-1]
+        row = {
+            "tau": tau or "random",
+            "tok_s": {m: round(v, 2) for m, v in med.items()},
+            "auto_vs_plain": round(med["auto"] / plain, 3),
+            "best_fixed": best_fixed,
+            "auto_vs_best_fixed": round(med["auto"] / med[str(best_fixed)], 3),
+            "fixed16_vs_plain": round(med["16"] / plain, 3) if "16" in med else None,
+            "auto_tau": last["tau"],
+            "auto_plain_share": last["plain_share"],
+            "auto_block_sizes": {b: n for b, n in enumerate(last["block_size_histogram"]) if n},
+            "runs": {m: [round(x, 2) for x in v] for m, v in rates.items()},
+        }
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
