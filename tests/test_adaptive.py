@@ -261,3 +261,19 @@ def test_block_size_none_is_the_trained_block_and_fixed(tiny_hybrid):
     d = out[-1].stats.as_dict()
     assert d["block_policy"] == "fixed" and d["block_size"] == 8 and "controller" not in d
     assert d["block_size_histogram"][8] > 0  # the trained block (the last cycle may be cut)
+
+
+def test_a_new_request_starts_from_the_last_ones_acceptance():
+    from dflash_server.generation.controller import SharedPrior
+
+    prior = SharedPrior()
+    first = BlockController(16, costs(), prior=prior)
+    assert first.next_size(100) > 1  # optimistic start
+    for _ in range(20):
+        first.observe(16, 0, None)
+    assert prior.rate == 0.2  # bounded: a hopeless request does not rule out the next one
+    assert BlockController(16, costs(), prior=prior).next_size(100) == 1
+    for _ in range(20):
+        first.observe(16, 15, None)
+    assert prior.rate == 0.9
+    assert BlockController(16, costs(), prior=prior).next_size(100) == 16

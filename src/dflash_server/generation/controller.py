@@ -40,6 +40,26 @@ class FixedBlock:
         return None
 
 
+class SharedPrior:
+    """Where a new request's acceptance estimate starts: the latest per-cycle rate any request
+    on this pair saw (kept within ``bounds``, so one hopeless or perfect request never decides
+    the next one's first cycles alone)."""
+
+    def __init__(self, rate: float = 0.75, bounds: tuple[float, float] = (0.2, 0.9)):
+        self.bounds = bounds
+        self.rate = rate
+
+    def update(self, rate: float) -> None:
+        self.rate = min(max(rate, self.bounds[0]), self.bounds[1])
+
+    @classmethod
+    def of(cls, draft: Any) -> SharedPrior:
+        """The one prior per drafter, kept on it."""
+        if "_dflash_prior" not in draft.__dict__:
+            draft.__dict__["_dflash_prior"] = cls()
+        return draft.__dict__["_dflash_prior"]
+
+
 class AcceptanceModel:
     """Recent acceptance: a per-cycle rate, and decayed per-position counts shrunk towards it.
 
@@ -110,11 +130,14 @@ class BlockController:
         max_probe_gap: int = 256,
         probe_block: int = 2,
         probe_decay: float = 0.25,
+        prior: SharedPrior | None = None,
     ):
         self.max_block = max(1, max_block)
         self.block_size = self.max_block  # the widest it may pick (reported as block_size)
         self.costs = costs
-        self.acceptance = AcceptanceModel(max(1, self.max_block - 1))
+        self.prior = prior
+        start = {} if prior is None else {"prior_rate": prior.rate}
+        self.acceptance = AcceptanceModel(max(1, self.max_block - 1), **start)
         self.min_gap, self.max_gap = probe_gap, max_probe_gap
         self.probe_block, self.probe_decay = probe_block, probe_decay
         self.gap = probe_gap  # plain steps before the next probe
@@ -154,6 +177,8 @@ class BlockController:
         # A probe's result outweighs the evidence that made speculation stop.
         decay = self.probe_decay if self.probing else None
         self.acceptance.observe(size - 1, accepted, decay)
+        if self.prior is not None:
+            self.prior.update(self.acceptance.rate)
         if self.probing:
             self.probing = False
             paid = self._best(self.max_block) > 1

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_server.generation.controller import BlockController
+from dflash_server.generation.controller import BlockController, SharedPrior
 from dflash_server.generation.costs import CostModel, costs_for
 from dflash_server.generation.prefix import PrefixStore
 from dflash_server.generation.request import (
@@ -146,7 +146,7 @@ def generate(
     policy = None
     if draft is not None and request.adaptive:
         costs = costs if costs is not None else costs_for(model, draft)
-        policy = BlockController(request.block_size, costs.copy())
+        policy = BlockController(request.block_size, costs.copy(), prior=SharedPrior.of(draft))
     target = TargetModel.of(model, draft.config.target_layer_ids if draft else ())
     constraint = None if request.constraint is None else request.constraint.build(tokenizer)
     decoder = SpeculativeDecoder(
