@@ -174,6 +174,57 @@ def prepare_target(
     result["regen"] = {"samples": len(regen), "seconds": round(time.perf_counter() - start, 1)}
 
 
+def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
+    """Decode tokens/s per held-out prompt: plain, the fixed trained block and ``auto``
+    (interleaved, medians of ``repeats``; the same tokens asserted)."""
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.generation.costs import costs_for
+    from dflash_server.generation.sampling import SamplingParams, TokenSampler
+    from dflash_server.generation.speculative import SpeculativeDecoder
+    from dflash_server.generation.target import TargetModel
+
+    target = TargetModel.of(model, draft.config.target_layer_ids)
+    costs, block = costs_for(model, draft), draft.config.block_size
+    modes = {"plain": (None, 1, None), "fixed": (draft, block, None), "auto": (draft, block, 1)}
+
+    def run(prompt, mode):
+        d, width, auto = modes[mode]
+        policy = BlockController(width, costs.copy()) if auto else None
+        decoder = SpeculativeDecoder(
+            target, d, TokenSampler(SamplingParams(), 0), width, policy=policy
+        )
+        tokens, start = [], None
+        for commit in decoder.generate(list(prompt), n):
+            start = start or time.perf_counter()
+            tokens.extend(commit.tokens)
+        return tokens, (len(tokens) - 1) / (time.perf_counter() - start), decoder.stats
+
+    rows = []
+    for i, prompt in enumerate(prompts):
+        rates: dict[str, list[float]] = {m: [] for m in modes}
+        taus, shares = {}, {}
+        for _ in range(repeats):
+            outs = {}
+            for mode in modes:
+                outs[mode], rate, stats = run(prompt, mode)
+                rates[mode].append(rate)
+                taus[mode], shares[mode] = round(stats.tau, 3), round(stats.plain_share, 3)
+            assert outs["fixed"] == outs["plain"] == outs["auto"], "speculation changed the output"
+        med = {m: sorted(v)[len(v) // 2] for m, v in rates.items()}
+        rows.append(
+            {
+                "prompt": i,
+                "tok_s": {m: round(v, 1) for m, v in med.items()},
+                "auto_vs_plain": round(med["auto"] / med["plain"], 3),
+                "fixed_vs_plain": round(med["fixed"] / med["plain"], 3),
+                "tau": taus,
+                "auto_plain_share": shares["auto"],
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return {"costs": costs.describe(), "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-distill"))
@@ -199,12 +250,29 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--reuse-target", action="store_true", help="keep WORK's target and data")
+    ap.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="WORK's trained pair: plain vs fixed vs auto per held-out prompt, no training",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="runs per prompt and mode (eval-only)")
     args = ap.parse_args()
     mx.random.seed(0)
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
 
     train_files, held_files = stdlib_files(args.holdout_every)
     target_dir, data_dir = args.work / "target", args.work / "data"
+    if args.eval_only:
+        model, tokenizer = mlx_lm.load(str(target_dir))
+        draft = load_draft(args.work / "draft", target=model)
+        prompts = prompts_from(read(held_files, 10**9), tokenizer, args.prompts, args.prompt_len)
+        decode(model, draft, prompts[:1], 16)  # warm-up
+        result["per_prompt"] = per_prompt_modes(
+            model, draft, prompts, args.gen_tokens, args.repeats
+        )
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return
     saved = args.work / "target_result.json"
     if args.reuse_target and saved.exists():  # iterate on the drafter recipe alone
         result.update(json.loads(saved.read_text()))

@@ -1,8 +1,8 @@
 """What a cycle costs on this machine and model pair: measured once at load, refined per request.
 
 ``t(1)`` is one plain decoding step; ``t(B)`` for ``B >= 2`` is one drafter pass plus one verify of
-``B`` positions (with the recording and rollback it needs). ``measure_costs`` times a few verify
-widths and the draft pass on a short context (a second or two); widths in between are
+``B`` positions (with the recording it needs). ``measure_costs`` times pipelined plain steps, a few
+verify widths and the draft pass on a short context (a second or two); widths in between are
 interpolated linearly, which is how verify cost grows in the memory-bound regime (FACTS §8).
 
 A request refines its own copy from the wall time of its real cycles: one correction factor for
@@ -32,7 +32,7 @@ class CostModel:
     """Seconds per cycle by block size; ``verify`` and ``draft`` are keyed by measured widths."""
 
     plain: float  # one plain decoding step
-    verify: dict[int, float]  # width -> verify seconds (width 1 = a recorded one-token verify)
+    verify: dict[int, float]  # width -> seconds of a recorded verify of that many positions
     draft: dict[int, float]  # block size -> drafter pass seconds
     measured_s: float = 0.0  # how long measuring took
     refine: bool = True  # fold real cycle timings in (off: keep the measured curve as is)
@@ -108,11 +108,14 @@ def measure_costs(
     draft: DFlashDraftModel,
     *,
     context: int = 64,
-    repeats: int = 3,
+    plain_steps: int = 8,
     budget_s: float = 3.0,
 ) -> CostModel:
-    """Time a plain step, verifies of a few widths and the drafter pass (medians of ``repeats``
-    after a warm-up) on a ``context``-token prompt; stops repeating once ``budget_s`` is spent.
+    """Time plain decoding (``plain_steps`` pipelined steps, as the decoder runs them), recorded
+    verifies of a few widths and the drafter pass, each after a warm-up, on a ``context``-token
+    prompt. Each is repeated 3 to 9 times (more when cheap; fewer once ``budget_s`` is spent)
+    and the median kept; the curves are made non-decreasing in width (noise, not physics, makes
+    a wider verify look cheaper).
 
     Runs MLX work: call it on the thread that owns the models (the engine's worker).
     """
@@ -133,51 +136,76 @@ def measure_costs(
         mx.eval([c.state for c in cache], [c.state for c in draft_cache])
     rollback = target.make_rollback(cache)
 
-    def timed(fn: Any) -> float:
-        fn()  # warm-up: kernels, allocations
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
-            if time.perf_counter() - start > budget_s:
+    def timed(run: Any) -> float:
+        """Median of ``run()``'s own timings (it times only what a cycle would pay)."""
+        run()  # warm-up: kernels, allocations, compiled graphs
+        runs: list[float] = []
+        while len(runs) < 3 or (len(runs) < 9 and sum(runs) < 0.1):
+            runs.append(run())
+            if time.perf_counter() - start > budget_s and len(runs) >= 1:
                 break
         return statistics.median(runs)
 
-    def verify(width: int) -> Any:
-        """A recorded verify of ``width`` positions, rolled back so every run sees one context
-        (width 1 stands for a plain step: recording one token adds next to nothing)."""
+    def plain() -> float:
+        saved = [list(c.cache) if not c.is_trimmable() else None for c in cache]
+        with mx.stream(generation_stream):
+            t0 = time.perf_counter()
+            token = ids[:, context : context + 1]
+            for _ in range(plain_steps):  # the next step is queued before this one is read
+                logits, _ = target.forward(token, cache, slice(None))
+                token = mx.argmax(logits[:, -1:], axis=-1)
+                mx.async_eval(token)
+            mx.eval(token)
+            seconds = (time.perf_counter() - t0) / plain_steps
+        for c, slots in zip(cache, saved):  # back to the prompt
+            if slots is None:
+                c.trim(plain_steps)
+            else:
+                c.cache = slots
+        return seconds
 
-        def run() -> None:
+    def verify(width: int) -> Any:
+        def run() -> float:
             with mx.stream(generation_stream):
+                t0 = time.perf_counter()
                 with rollback.recording():
-                    logits, t = target.forward(
-                        ids[:, context : context + width], cache, slice(None)
-                    )
+                    tokens = ids[:, context : context + width]
+                    logits, t = target.forward(tokens, cache, slice(None))
                 mx.eval(mx.argmax(logits, axis=-1), t)
-                rollback.rollback(keep=0, fed=width)
+                seconds = time.perf_counter() - t0
+                rollback.rollback(keep=0, fed=width)  # back to the prompt, untimed
                 mx.eval([c.state for c in cache])
+            return seconds
 
         return run
 
     def drafting(size: int) -> Any:
         block_ids = mx.array([[1] + [draft.config.mask_token_id] * (size - 1)])
 
-        def run() -> None:
+        def run() -> float:
             with mx.stream(generation_stream):
-                logits = draft(block_ids, None, draft_cache, logits_start=1)
-                mx.eval(mx.argmax(logits, axis=-1))
+                t0 = time.perf_counter()
+                mx.eval(mx.argmax(draft(block_ids, None, draft_cache, logits_start=1), axis=-1))
+                return time.perf_counter() - t0
 
         return run
 
     costs = CostModel(
-        plain=timed(verify(1)),
-        verify={w: timed(verify(w)) for w in _widths(block) if w > 1},
-        draft={s: timed(drafting(s)) for s in sorted({2, block})},
+        plain=timed(plain),
+        verify=_rising({w: timed(verify(w)) for w in _widths(block) if w > 1}),
+        draft=_rising({s: timed(drafting(s)) for s in sorted({2, block})}),
     )
-    costs.verify[1] = costs.plain
+    costs.verify[1] = min(costs.plain, min(costs.verify.values()))  # for display and slopes
     costs.measured_s = time.perf_counter() - start
     return costs
+
+
+def _rising(points: dict[int, float]) -> dict[int, float]:
+    out, top = {}, 0.0
+    for width in sorted(points):
+        top = max(top, points[width])
+        out[width] = top
+    return out
 
 
 def costs_for(model: nn.Module, draft: DFlashDraftModel) -> CostModel:

@@ -74,7 +74,12 @@ function statsHtml(msg) {
   if (d && d.speculative === false) items.push(["mode", "plain decoding"]);
   if (d && d.tau) items.push(["τ", d.tau.toFixed(2)]);
   if (d && d.acceptance_rate != null) items.push(["accepted", `${Math.round(d.acceptance_rate * 100)} %`]);
-  if (d && d.block_size) items.push(["block", String(d.block_size)]);
+  if (d && d.block_size) {
+    items.push(["block", d.block_policy === "auto" ? `auto ≤ ${d.block_size}` : String(d.block_size)]);
+  }
+  if (d && d.block_policy === "auto" && d.plain_share != null) {
+    items.push(["plain", `${Math.round(d.plain_share * 100)} %`]);
+  }
   const cached = usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens;
   if (cached != null) items.push(["cached prompt", String(cached)]);
   if (!items.length) return "";
