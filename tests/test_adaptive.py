@@ -277,3 +277,19 @@ def test_a_new_request_starts_from_the_last_ones_acceptance():
         first.observe(16, 15, None)
     assert prior.rate == 0.9
     assert BlockController(16, costs(), prior=prior).next_size(100) == 16
+
+
+@pytest.mark.parametrize("family", ["DFlash", "DFlash2"])
+def test_measure_costs(tiny_hybrid, family):
+    from dflash_server.generation.costs import measure_costs
+    from dflash_server.testing import random_dflash2_drafter
+
+    model, _ = tiny_hybrid
+    draft = random_drafter(model) if family == "DFlash" else random_dflash2_drafter(model)
+    measured = measure_costs(model, draft, budget_s=2.0)
+    widths = sorted(measured.verify)
+    assert widths[0] == 1 and widths[-1] == draft.config.block_size
+    assert all(measured.verify[a] <= measured.verify[b] for a, b in itertools.pairwise(widths))
+    assert measured.plain > 0 and all(t > 0 for t in measured.draft.values())
+    assert measured.cycle(draft.config.block_size) > measured.cycle(2) > 0
+    assert "cycle cost (ms): plain step" in measured.describe()
