@@ -117,9 +117,10 @@ class TextStream:
                 return text, n, "stop"
         if finish is not None:  # flush held-back bytes and text
             self.detokenizer.finalize()
+            held = self.detokenizer.last_segment  # reading it consumes it
             if self.pieces:  # bytes held back by the detokenizer belong to the last token
-                self.pieces[-1] += self.detokenizer.last_segment
-            tail, self.hit = self.stops.feed(self.detokenizer.last_segment)
+                self.pieces[-1] += held
+            tail, self.hit = self.stops.feed(held)
             text += tail if self.hit is not None else tail + self.stops.flush()
             finish = "stop" if self.hit is not None else finish
         return text, len(commit.tokens), finish
