@@ -11,7 +11,7 @@ from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prompts import render_chat
 from dflash_server.generation.request import GenerationRequest
 from dflash_server.generation.stream import generate
-from dflash_server.models.drafter import ContextCache
+from dflash_server.models.context import ContextCache
 from dflash_server.models.window import SinkContextCache, apply_draft_window, default_window
 from dflash_server.testing import ReplayDrafter, random_drafter
 

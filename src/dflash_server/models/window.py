@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from dflash_server.models.drafter import ContextCache
+from dflash_server.models.context import ContextCache
 
 SINKS = 4  # sink positions kept at the start of the context
 DEFAULT_WINDOW = 4096  # the server's default when the drafter's config names none
