@@ -233,11 +233,11 @@ def test_sampling_is_exact_with_changing_widths(tiny_hybrid):
 def test_auto_through_stream_generate(tiny_hybrid):
     model, tokenizer = tiny_hybrid
     ids = tokenizer.encode("def fibonacci(n):")
-    n = 160
+    n = 200
     reference = plain(model, ids, n)
     # Predictable, then hopeless (drafter calls, not tokens: plain steps call no drafter), then
     # predictable again.
-    pattern = [15] * 4 + [0] * 4 + [15] * 200
+    pattern = [15] * 4 + [0] * 5 + [15] * 200
     draft = ReplayDrafter(ids + reference, pattern, random_drafter(model))
     draft.__dict__["_dflash_costs"] = (model, costs())  # no timing in tests
     out = list(stream_generate(model, draft, tokenizer, ids, "auto", max_tokens=n))
@@ -291,5 +291,5 @@ def test_measure_costs(tiny_hybrid, family):
     assert widths[0] == 1 and widths[-1] == draft.config.block_size
     assert all(measured.verify[a] <= measured.verify[b] for a, b in itertools.pairwise(widths))
     assert measured.plain > 0 and all(t > 0 for t in measured.draft.values())
-    assert measured.cycle(draft.config.block_size) > measured.cycle(2) > 0
+    assert measured.cycle(draft.config.block_size) >= measured.cycle(2) > 0
     assert "cycle cost (ms): plain step" in measured.describe()

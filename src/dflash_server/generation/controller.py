@@ -75,7 +75,7 @@ class AcceptanceModel:
         prior_rate: float = 0.75,
         shrink: float = 2.0,
         decay: float = 0.8,
-        stale_decay: float = 0.5,
+        stale_decay: float = 0.95,
     ):
         self.tried = [0.0] * positions  # index j-1: draft j
         self.accepted = [0.0] * positions
@@ -90,7 +90,7 @@ class AcceptanceModel:
         self.rate = decay * self.rate + (1 - decay) * own
         reached = min(accepted + 1, drafted, len(self.tried))
         for j in range(len(self.tried)):
-            factor = decay if j < reached else decay * self.stale_decay
+            factor = decay if j < reached else self.stale_decay
             self.tried[j] *= factor
             self.accepted[j] *= factor
             if j < reached:
@@ -126,7 +126,7 @@ class BlockController:
         max_block: int,
         costs: CostModel,
         *,
-        probe_gap: int = 16,
+        probe_gap: int = 24,
         max_probe_gap: int = 256,
         probe_block: int = 2,
         probe_decay: float = 0.25,
@@ -156,6 +156,11 @@ class BlockController:
     def next_size(self, room: int) -> int:
         """The width of the next cycle; at most ``room`` positions (tokens still wanted)."""
         if room <= 1 or self.max_block == 1:
+            return 1
+        # While decoding plainly no acceptance evidence arrives: reuse the last choice, and
+        # re-check only every few steps (the cost corrections still move).
+        if self.plain_run and self.plain_run % 8 and self.plain_run < self.gap:
+            self.plain_run += 1
             return 1
         size = self._best(room)
         if size == 1 and self.plain_run >= self.gap:  # probe: is speculation paying again?
