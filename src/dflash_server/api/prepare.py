@@ -113,13 +113,17 @@ def _request(
     # Default: as many tokens as fit, so long answers are not cut off at an arbitrary cap.
     limit = max_tokens or settings.max_tokens or room
     block_size, adaptive = _block_size(req, settings, engine.models.draft)
+    params = SamplingParams(**(defaults | {k: v for k, v in sampling.items() if v is not None}))
+    seed = None if req.seed == -1 else req.seed
+    if adaptive and seed is not None and not params.greedy:
+        # A seed must reproduce the answer: auto's widths follow timings and the random draws
+        # follow the widths, so seeded sampling verifies a fixed block.
+        adaptive = False
     return GenerationRequest(
         prompt=tuple(prompt.tokens),
         max_tokens=min(limit, room),
-        sampling=SamplingParams(
-            **(defaults | {k: v for k, v in sampling.items() if v is not None})
-        ),
-        seed=None if req.seed == -1 else req.seed,
+        sampling=params,
+        seed=seed,
         stop=tuple(req.stop or ()),
         block_size=block_size,
         adaptive=adaptive,
