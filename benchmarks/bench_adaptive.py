@@ -48,6 +48,11 @@ def mlx_lm_plain(model, prompt: list[int], n: int) -> tuple[list[int], float]:
     return tokens, (n - 1) / (time.perf_counter() - start)
 
 
+def paired(rates: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of a/b within a round (machine load drifts between rounds)."""
+    return round(statistics.median(x / y for x, y in zip(rates[a], rates[b])), 3)
+
+
 def ours(target, draft, prompt, n, mode, costs, prior) -> tuple[list[int], float, dict]:
     """Decode tokens/s of one mode: 'plain', a width, 'auto' (starting from the pair's shared
     prior, as the server runs it) or 'auto-cold' (a fresh prior: a first request)."""
@@ -115,6 +120,7 @@ def main() -> None:
                 rates[mode].append(rate)
         med = {m: statistics.median(v) for m, v in rates.items()}
         plain = med["plain"]
+
         best_fixed = max(args.fixed, key=lambda b: med[str(b)])
         last = auto_stats[-1]
         row = {
@@ -129,6 +135,12 @@ def main() -> None:
             "auto_tau": last["tau"],
             "auto_plain_share": last["plain_share"],
             "auto_block_sizes": {b: n for b, n in enumerate(last["block_size_histogram"]) if n},
+            "paired": {
+                "auto_vs_plain": paired(rates, "auto", "plain"),
+                "auto_cold_vs_plain": paired(rates, "auto-cold", "plain"),
+                "auto_vs_best_fixed": paired(rates, "auto", str(best_fixed)),
+                "fixed16_vs_plain": paired(rates, "16", "plain") if "16" in rates else None,
+            },
             "runs": {m: [round(x, 2) for x in v] for m, v in rates.items()},
         }
         results["rows"].append(row)

@@ -138,6 +138,11 @@ def main() -> None:
             "reference_tok_s": round(med["reference"], 2),
             "ours_tok_s": round(med["ours"], 2),
             "ratio": round(med["ours"] / med["reference"], 3),
+            # per round (machine load drifts between rounds), then the median
+            "paired_ratio": round(
+                statistics.median(o / r for o, r in zip(times["ours"][1:], times["reference"][1:])),
+                3,
+            ),
             "identical_tokens": same,
             "runs": {k: [round(x, 2) for x in v[1:]] for k, v in times.items()},
         }
