@@ -177,7 +177,7 @@ def prepare_target(
 def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
     """Decode tokens/s per held-out prompt: plain, the fixed trained block and ``auto``
     (interleaved, medians of ``repeats``; the same tokens asserted)."""
-    from dflash_server.generation.controller import BlockController
+    from dflash_server.generation.controller import BlockController, SharedPrior
     from dflash_server.generation.costs import costs_for
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
     from dflash_server.generation.speculative import SpeculativeDecoder
@@ -186,10 +186,11 @@ def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
     target = TargetModel.of(model, draft.config.target_layer_ids)
     costs, block = costs_for(model, draft), draft.config.block_size
     modes = {"plain": (None, 1, None), "fixed": (draft, block, None), "auto": (draft, block, 1)}
+    prior = SharedPrior()  # as the server runs it: each request starts where the last one ended
 
     def run(prompt, mode):
         d, width, auto = modes[mode]
-        policy = BlockController(width, costs.copy()) if auto else None
+        policy = BlockController(width, costs.copy(), prior=prior) if auto else None
         decoder = SpeculativeDecoder(
             target, d, TokenSampler(SamplingParams(), 0), width, policy=policy
         )

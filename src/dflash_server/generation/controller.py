@@ -131,11 +131,12 @@ class BlockController:
         probe_block: int = 2,
         probe_decay: float = 0.25,
         prior: SharedPrior | None = None,
+        margin: float = 0.05,
     ):
         self.max_block = max(1, max_block)
         self.block_size = self.max_block  # the widest it may pick (reported as block_size)
         self.costs = costs
-        self.prior = prior
+        self.prior, self.margin = prior, margin
         start = {} if prior is None else {"prior_rate": prior.rate}
         self.acceptance = AcceptanceModel(max(1, self.max_block - 1), **start)
         self.min_gap, self.max_gap = probe_gap, max_probe_gap
@@ -149,9 +150,14 @@ class BlockController:
         return AcceptanceModel.expected(rates, size) / self.costs.cycle(size)
 
     def _best(self, limit: int, minimum: int = 1) -> int:
+        """The width of most expected tokens per second; speculation must beat plain decoding
+        by ``margin`` (a marginal gain is not worth an estimate's error)."""
         rates = self.acceptance.rates()
-        sizes = range(minimum, max(minimum, min(self.max_block, limit)) + 1)
-        return max(sizes, key=lambda s: self._value(rates, s))
+        sizes = range(max(2, minimum), max(2, min(self.max_block, limit)) + 1)
+        best = max(sizes, key=lambda s: self._value(rates, s))
+        if minimum <= 1 and self._value(rates, best) <= (1 + self.margin) * self._value(rates, 1):
+            return 1
+        return best
 
     def next_size(self, room: int) -> int:
         """The width of the next cycle; at most ``room`` positions (tokens still wanted)."""

@@ -12,6 +12,7 @@ or a long context shifts the estimates without one outlier flipping the choice.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -93,9 +94,11 @@ class CostModel:
         """One startup log line."""
         verify = ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in sorted(self.verify.items()))
         draft = ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in sorted(self.draft.items()))
+        block = max(self.verify)
         return (
             f"cycle cost (ms): plain step {1e3 * self.plain:.1f}; verify by width {{{verify}}}; "
-            f"draft {{{draft}}} (measured in {self.measured_s:.1f} s)"
+            f"draft {{{draft}}}; in the loop: plain step {1e3 * self.cycle(1):.1f}, cycle of "
+            f"{block} {1e3 * self.cycle(block):.1f} (measured in {self.measured_s:.1f} s)"
         )
 
 
@@ -110,12 +113,14 @@ def measure_costs(
     context: int = 64,
     plain_steps: int = 8,
     budget_s: float = 3.0,
+    calibrate: bool = True,
 ) -> CostModel:
     """Time plain decoding (``plain_steps`` pipelined steps, as the decoder runs them), recorded
     verifies of a few widths and the drafter pass, each after a warm-up, on a ``context``-token
     prompt. Each is repeated 3 to 9 times (more when cheap; fewer once ``budget_s`` is spent)
     and the median kept; the curves are made non-decreasing in width (noise, not physics, makes
-    a wider verify look cheaper).
+    a wider verify look cheaper). ``calibrate``: then decode a few real steps and cycles and
+    start the corrections from what they took (``_calibrate``).
 
     Runs MLX work: call it on the thread that owns the models (the engine's worker).
     """
@@ -198,8 +203,34 @@ def measure_costs(
         draft=_rising({s: timed(drafting(s)) for s in sorted({2, block})}),
     )
     costs.verify[1] = min(costs.plain, min(costs.verify.values()))  # for display and slopes
+    if calibrate:
+        _calibrate(costs, target, draft, ids[0, :context].tolist(), block)
     costs.measured_s = time.perf_counter() - start
     return costs
+
+
+def _calibrate(costs: CostModel, target: Any, draft: Any, prompt: list[int], block: int) -> None:
+    """Start the corrections from a short real decode (plain steps, then cycles of the trained
+    block): the loop's own host work per cycle (sync, commit, bookkeeping) is what component
+    timings miss, and it weighs more on a cycle than on a pipelined plain step."""
+    from dflash_server.generation.sampling import SamplingParams, TokenSampler
+    from dflash_server.generation.speculative import SpeculativeDecoder
+
+    def period(width: int, cycles: int) -> float:
+        decoder = SpeculativeDecoder(
+            target, draft if width > 1 else None, TokenSampler(SamplingParams()), width
+        )
+        stamps = []
+        for _ in decoder.generate(prompt, (cycles + 2) * width):
+            stamps.append(time.perf_counter())
+            if len(stamps) == cycles + 2:
+                break
+        gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]  # after the prefill, one cycle
+        return statistics.median(gaps) if gaps else costs.base(width)
+
+    plain, spec = period(1, 10), period(block, 5)
+    costs.residual["plain"] = math.log(plain / costs.base(1))
+    costs.residual["spec"] = math.log(spec / costs.base(block))
 
 
 def _rising(points: dict[int, float]) -> dict[int, float]:
