@@ -107,38 +107,42 @@ def _gate(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
 @mx.compile
 def _recurrence(
     q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
-) -> tuple[mx.array, mx.array]:
+) -> tuple[mx.array, list[mx.array]]:
     """The gated delta rule over T tokens in one compiled graph that keeps every step's state:
-    ``S <- g_t S``, ``S <- S + k_t (x) (v_t - S k_t) beta_t``, ``y_t = S_t q_t`` (q, k repeated
-    to the Hv value heads). Returns y and the states stacked ``[T, B, H, Dv, Dk]``.
+        ``S <- g_t S``, ``S <- S + (v_t - S k_t) beta_t k_t^T``, ``y_t = S q_t`` (q, k repeated to
+        the Hv value heads). Returns y and each step's state ``[B, H, 1, Dv, Dk]`` (``state_at``
+    drops the axis of the one a rollback keeps).
 
-    Primitives dominate small models on CPU, so the loop keeps a length-1 token axis (one split
-    per input instead of a slice and reshapes per step) and the readout ``y`` is one batched
-    product over the stacked states after the loop.
+        Shaped for CPU cost: one split per input instead of a slice and reshapes per step (every
+        primitive costs a scheduling step), and the two contractions with the state are matmuls, so
+        no state-sized product is materialised to be summed (memory traffic at larger heads).
     """
     T = q.shape[1]
-    ks = mx.split(k[..., None, :], T, axis=1)  # [B, 1, H, 1, Dk]
-    vs = mx.split(v[..., None], T, axis=1)  # [B, 1, H, Dv, 1]
-    gs = mx.split(g[..., None, None], T, axis=1)  # [B, 1, H, 1, 1]
-    betas = mx.split(beta[..., None, None], T, axis=1)
-    state = state[:, None]  # [B, 1, H, Dv, Dk]
-    states = []
+    qs = mx.split(q[..., None].swapaxes(1, 2), T, axis=2)  # [B, H, 1, Dk, 1]
+    kc = mx.split(k[..., None].swapaxes(1, 2), T, axis=2)  # columns, for S k
+    kr = mx.split(k[..., None, :].swapaxes(1, 2), T, axis=2)  # rows [B, H, 1, 1, Dk]
+    vs = mx.split(v[..., None].swapaxes(1, 2), T, axis=2)  # [B, H, 1, Dv, 1]
+    gs = mx.split(g[..., None, None].swapaxes(1, 2), T, axis=2)  # [B, H, 1, 1, 1]
+    betas = mx.split(beta[..., None, None].swapaxes(1, 2), T, axis=2)
+    state = state[:, :, None]  # [B, H, 1, Dv, Dk]
+    ys, states = [], []
     for t in range(T):
         state = state * gs[t]
-        kv_mem = (state * ks[t]).sum(axis=-1, keepdims=True)
-        state = state + ks[t] * ((vs[t] - kv_mem) * betas[t])
+        delta = (vs[t] - state @ kc[t]) * betas[t]  # [B, H, 1, Dv, 1]
+        state = state + delta * kr[t]
+        ys.append(state @ qs[t])  # [B, H, 1, Dv, 1]
         states.append(state)
-    stacked = mx.concatenate(states, axis=1)  # [B, T, H, Dv, Dk]
-    y = (stacked * q[..., None, :]).sum(axis=-1)  # [B, T, H, Dv]
-    return y, stacked.swapaxes(0, 1)
+    y = mx.concatenate(ys, axis=2)[..., 0].swapaxes(1, 2)  # [B, T, H, Dv]
+    return y, states
 
 
-def state_at(states: list[mx.array] | mx.array, n: int) -> mx.array:
-    """The recurrent state after ``n`` recorded tokens (a list of states, or them stacked)."""
-    return states[n - 1]
+def state_at(states: list[mx.array], n: int) -> mx.array:
+    """The recurrent state after ``n`` recorded tokens (``[B, H, Dv, Dk]``)."""
+    state = states[n - 1]
+    return state.reshape(*state.shape[:2], *state.shape[3:]) if state.ndim == 5 else state
 
 
-def _with_states(args: tuple, kwargs: dict) -> tuple[mx.array, mx.array] | None:
+def _with_states(args: tuple, kwargs: dict) -> tuple[mx.array, list[mx.array]] | None:
     """mlx-lm's ops-path recurrence in one compiled call, keeping each step's state (for a
     lookup rollback); None for calls it does not cover (masks, vector gates, extra options)."""
     q, k, v, a, b, A_log, dt_bias, state = args[:8]
