@@ -66,16 +66,17 @@ class AcceptanceModel:
     The rate is an average over cycles (each weighs the same), of each cycle's own estimate
     ``accepted / (accepted + rejected?)``: a run of full blocks then counts as many cycles, not
     as hundreds of accepted drafts, so a turn to unpredictable text shows within a few cycles.
-    Positions a cycle did not reach fade faster: what they said belongs to older text.
+    Positions past a full block (never tried) keep their evidence, fading slowly: a width that
+    stops at the acceptance length must not forget why it stopped there.
     """
 
     def __init__(
         self,
         positions: int,
         prior_rate: float = 0.75,
-        shrink: float = 2.0,
+        shrink: float = 0.5,
         decay: float = 0.8,
-        stale_decay: float = 0.95,
+        stale_decay: float = 0.97,
     ):
         self.tried = [0.0] * positions  # index j-1: draft j
         self.accepted = [0.0] * positions
@@ -86,11 +87,16 @@ class AcceptanceModel:
         """One cycle drafted ``drafted`` tokens and the first ``accepted`` survived; older
         evidence is scaled by ``decay`` first (default: the model's; a probe passes less)."""
         decay = self.decay if decay is None else decay
-        own = accepted / (accepted + (accepted < drafted)) if drafted else self.rate
+        # Geometric estimate of one cycle; a full block is censored (its next draft was never
+        # tried), so it counts as half a rejection rather than proof of certain acceptance.
+        full = accepted == drafted
+        own = (accepted + full) / (accepted + 1 + full) if drafted else self.rate
         self.rate = decay * self.rate + (1 - decay) * own
         reached = min(accepted + 1, drafted, len(self.tried))
         for j in range(len(self.tried)):
-            factor = decay if j < reached else self.stale_decay
+            # Beyond a full block the evidence is only censored, so it keeps (slowly fading);
+            # beyond a rejection it fades as fast as what was tried (the text may have turned).
+            factor = self.stale_decay if j >= reached and full else decay
             self.tried[j] *= factor
             self.accepted[j] *= factor
             if j < reached:
@@ -150,14 +156,17 @@ class BlockController:
         return AcceptanceModel.expected(rates, size) / self.costs.cycle(size)
 
     def _best(self, limit: int, minimum: int = 1) -> int:
-        """The width of most expected tokens per second; speculation must beat plain decoding
-        by ``margin`` (a marginal gain is not worth an estimate's error)."""
+        """The width of most expected tokens per second. Switching between plain decoding and
+        speculation needs a ``margin`` (hysteresis: an estimate's error must not flip it)."""
         rates = self.acceptance.rates()
         sizes = range(max(2, minimum), max(2, min(self.max_block, limit)) + 1)
         best = max(sizes, key=lambda s: self._value(rates, s))
-        if minimum <= 1 and self._value(rates, best) <= (1 + self.margin) * self._value(rates, 1):
-            return 1
-        return best
+        if minimum > 1:
+            return best
+        spec, plain = self._value(rates, best), self._value(rates, 1)
+        if self.plain_run:  # decoding plainly: speculation must clearly pay to start again
+            return best if spec > (1 + self.margin) * plain else 1
+        return 1 if plain > (1 + self.margin) * spec else best
 
     def next_size(self, room: int) -> int:
         """The width of the next cycle; at most ``room`` positions (tokens still wanted)."""

@@ -5,9 +5,11 @@
 verify widths and the draft pass on a short context (a second or two); widths in between are
 interpolated linearly, which is how verify cost grows in the memory-bound regime (FACTS §8).
 
-A request refines its own copy from the wall time of its real cycles: one correction factor for
-plain steps and one for speculative cycles, updated in log space and clipped, so a slow consumer
-or a long context shifts the estimates without one outlier flipping the choice.
+The curve is then calibrated by a short real decode at each measured width (the loop's own host
+work, sync and bookkeeping, is what component timings miss), and each request refines its own
+copy from the wall time of its real cycles: a residual per width plus a small shared correction,
+in log space and clipped, so a slow consumer or a long context shifts the estimates and one
+outlier cannot flip the choice.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ class CostModel:
     draft: dict[int, float]  # block size -> drafter pass seconds
     measured_s: float = 0.0  # how long measuring took
     refine: bool = True  # fold real cycle timings in (off: keep the measured curve as is)
-    # log(observed / measured): shared by all widths, plus a residual per kind (plain, spec),
-    # so a machine-wide drift seen only in speculative cycles moves plain steps' estimate too.
+    # log(observed / component estimate): one residual per width (1 = plain; calibrated at
+    # load, then refined from real cycles; unseen widths interpolate), plus a shared drift.
+    residual: dict[int, float] = field(default_factory=dict)
     log_scale: float = 0.0
-    residual: dict[str, float] = field(default_factory=lambda: {"plain": 0.0, "spec": 0.0})
 
     @staticmethod
     def _interp(points: dict[int, float], x: int) -> float:
@@ -55,28 +57,36 @@ class CostModel:
         if hi == lo:
             return points[lo]
         slope = (points[hi] - points[lo]) / (hi - lo)
-        return max(points[lo] + slope * (x - lo), 1e-6)
+        return points[lo] + slope * (x - lo)
 
     def base(self, size: int) -> float:
-        """The load-time estimate of one cycle of ``size`` positions."""
+        """The component estimate of one cycle of ``size`` positions (draft + verify)."""
         if size <= 1:
             return self.plain
-        return self._interp(self.draft, size) + self._interp(self.verify, size)
+        return max(self._interp(self.draft, size) + self._interp(self.verify, size), 1e-6)
+
+    def _residual(self, size: int) -> float:
+        size = max(1, size)
+        same_kind = {w: r for w, r in self.residual.items() if (w > 1) == (size > 1)}
+        if size in same_kind or not same_kind:
+            return same_kind.get(size, 0.0)
+        return self._interp(same_kind, size)
 
     def cycle(self, size: int) -> float:
-        """The current estimate (load-time shape times this request's correction)."""
-        kind = "plain" if size <= 1 else "spec"
-        return self.base(size) * math.exp(self.log_scale + self.residual[kind])
+        """The current estimate: the component estimate times calibration and refinement."""
+        return self.base(size) * math.exp(self.log_scale + self._residual(size))
 
     def observe(self, size: int, seconds: float) -> None:
-        """Fold one real cycle's wall time into the corrections."""
+        """Fold one real cycle's wall time into its width's residual (and a little into the
+        shared drift, so widths not used lately follow a slower machine or a longer context)."""
         if not self.refine or not seconds > 0:
             return
-        kind = "plain" if size <= 1 else "spec"
-        error = math.log(seconds / self.base(size)) - self.log_scale - self.residual[kind]
+        size = max(1, size)
+        residual = self._residual(size)
+        error = math.log(seconds / self.base(size)) - self.log_scale - residual
         error = max(-_CLIP, min(_CLIP, error))
-        self.log_scale += _ALPHA * error
-        self.residual[kind] += _ALPHA / 2 * error
+        self.residual[size] = residual + _ALPHA * error
+        self.log_scale += _ALPHA / 4 * error
 
     def copy(self) -> CostModel:
         return replace(self, verify=dict(self.verify), draft=dict(self.draft),
@@ -88,17 +98,18 @@ class CostModel:
             "plain_ms": round(1e3 * self.cycle(1), 3),
             "draft_ms": {b: round(1e3 * t, 3) for b, t in sorted(self.draft.items())},
             "verify_ms": {b: round(1e3 * t, 3) for b, t in sorted(self.verify.items())},
+            "cycle_ms": {b: round(1e3 * self.cycle(b), 3) for b in sorted(self.verify)},
         }
 
     def describe(self) -> str:
         """One startup log line."""
         verify = ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in sorted(self.verify.items()))
         draft = ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in sorted(self.draft.items()))
-        block = max(self.verify)
+        loop = ", ".join(f"{b}: {1e3 * self.cycle(b):.1f}" for b in sorted(self.verify))
         return (
             f"cycle cost (ms): plain step {1e3 * self.plain:.1f}; verify by width {{{verify}}}; "
-            f"draft {{{draft}}}; in the loop: plain step {1e3 * self.cycle(1):.1f}, cycle of "
-            f"{block} {1e3 * self.cycle(block):.1f} (measured in {self.measured_s:.1f} s)"
+            f"draft {{{draft}}}; in the loop by width {{{loop}}} "
+            f"(measured in {self.measured_s:.1f} s)"
         )
 
 
@@ -119,8 +130,9 @@ def measure_costs(
     verifies of a few widths and the drafter pass, each after a warm-up, on a ``context``-token
     prompt. Each is repeated 3 to 9 times (more when cheap; fewer once ``budget_s`` is spent)
     and the median kept; the curves are made non-decreasing in width (noise, not physics, makes
-    a wider verify look cheaper). ``calibrate``: then decode a few real steps and cycles and
-    start the corrections from what they took (``_calibrate``).
+    a wider verify look cheaper). The other widths run once, untimed, so their compiled graphs
+    exist before a request needs them. ``calibrate``: then decode a few real steps and cycles
+    and start the corrections from what they took (``_calibrate``).
 
     Runs MLX work: call it on the thread that owns the models (the engine's worker).
     """
@@ -203,20 +215,26 @@ def measure_costs(
         draft=_rising({s: timed(drafting(s)) for s in sorted({2, block})}),
     )
     costs.verify[1] = min(costs.plain, min(costs.verify.values()))  # for display and slopes
+    for width in range(2, block):  # compile every width's graphs now, not in a request
+        if width not in costs.verify:
+            verify(width)()
+            drafting(width)()
     if calibrate:
-        _calibrate(costs, target, draft, ids[0, :context].tolist(), block)
+        _calibrate(costs, target, draft, ids[0, :context].tolist(), _widths(block))
     costs.measured_s = time.perf_counter() - start
     return costs
 
 
-def _calibrate(costs: CostModel, target: Any, draft: Any, prompt: list[int], block: int) -> None:
-    """Start the corrections from a short real decode (plain steps, then cycles of the trained
-    block): the loop's own host work per cycle (sync, commit, bookkeeping) is what component
-    timings miss, and it weighs more on a cycle than on a pipelined plain step."""
+def _calibrate(
+    costs: CostModel, target: Any, draft: Any, prompt: list[int], widths: list[int], rounds: int = 2
+) -> None:
+    """Start each width's residual from a short real decode at that width (plain steps and
+    cycles, interleaved over ``rounds``, medians): the loop's own host work per cycle (sync,
+    commit, bookkeeping) is what component timings miss, and it weighs differently by width."""
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
     from dflash_server.generation.speculative import SpeculativeDecoder
 
-    def period(width: int, cycles: int) -> float:
+    def periods(width: int, cycles: int) -> list[float]:
         decoder = SpeculativeDecoder(
             target, draft if width > 1 else None, TokenSampler(SamplingParams()), width
         )
@@ -225,12 +243,15 @@ def _calibrate(costs: CostModel, target: Any, draft: Any, prompt: list[int], blo
             stamps.append(time.perf_counter())
             if len(stamps) == cycles + 2:
                 break
-        gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]  # after the prefill, one cycle
-        return statistics.median(gaps) if gaps else costs.base(width)
+        return [b - a for a, b in itertools.pairwise(stamps[1:])]  # after the prefill: cycles
 
-    plain, spec = period(1, 10), period(block, 5)
-    costs.residual["plain"] = math.log(plain / costs.base(1))
-    costs.residual["spec"] = math.log(spec / costs.base(block))
+    gaps: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(rounds):
+        for width in widths:
+            gaps[width] += periods(width, 6 if width == 1 else 3)
+    for width, seconds in gaps.items():
+        if seconds:
+            costs.residual[width] = math.log(statistics.median(seconds) / costs.base(width))
 
 
 def _rising(points: dict[int, float]) -> dict[int, float]:

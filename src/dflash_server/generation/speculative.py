@@ -313,9 +313,12 @@ class SpeculativeDecoder:
         commit, last = self._read(self.prefill(prompt), first=True)
         produced = 0
         # Without penalties or constraints (which read the committed tokens on the host), the
-        # cycle after a plain step can be queued before that step is read back.
+        # plain step after a plain step can be queued before that step is read back. A
+        # speculative cycle waits for the read: it needs the step's taps, and on CPU queueing
+        # it early would run it inside the step's timing, misleading the "auto" cost model.
         lookahead = not self.sampler.processors and self.constraint is None
         queued: _Cycle | None = None
+        planned: int | None = None  # the width chosen during a lookahead, not yet queued
         while True:
             commit = _terminate(commit, max_tokens - produced, eos_ids)
             produced += len(commit.tokens)
@@ -326,11 +329,13 @@ class SpeculativeDecoder:
                 yield commit
                 return
             room = max_tokens - produced
-            cycle = queued or self._queue_cycle(last, self.policy.next_size(room))
+            cycle = queued or self._queue_cycle(last, planned or self.policy.next_size(room))
             yield commit
-            queued = None
+            queued = planned = None
             if lookahead and cycle.size == 1 and room > 1:
-                queued = self._queue_cycle(cycle.result[1:2], self.policy.next_size(room - 1))
+                planned = self.policy.next_size(room - 1)
+                if planned == 1:
+                    queued, planned = self._queue_cycle(cycle.result[1:2], 1), None
             commit, last = self._read(cycle)
 
 
