@@ -4,12 +4,11 @@ Attention caches are trimmed. Gated DeltaNet layers keep a recurrent state that 
 so the verify pass is recorded (``models/hooks.py``) and rollback restores the state at the kept
 prefix:
 
-* where mlx-lm runs the recurrence as sequential ops (CPU, CUDA), the recording runs it as one
-  compiled graph that keeps every step's state (``hooks._recurrence``; unusual call options
-  fall back to stepping mlx-lm's own ``gated_delta_update`` token by token): rollback is a
-  lookup. Measured on CPU, this costs fewer primitives than mlx-lm's own ops path, so a
-  recorded verify is cheaper than an unrecorded one, and far cheaper than recording inputs and
-  replaying the kept prefix (which re-runs up to B steps);
+* where mlx-lm runs the recurrence as sequential ops (CPU, CUDA), the recording computes it in
+  chunk form (``models/recurrence.py``: a few matmuls over the block instead of B steps; unusual
+  call options fall back to stepping mlx-lm's own ``gated_delta_update`` token by token), and
+  rollback computes the kept prefix's state from the same pieces with one matmul. On CPU a
+  recorded verify is then cheaper than mlx-lm's own unrecorded one, and no prefix is replayed;
 * where it runs a fused Metal kernel, the recording kept the recurrence inputs (normalised q, k,
   v, gates a, b) and rollback replays the kernel over the kept prefix from the pre-verify state.
 
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from dflash_server.models.hooks import state_at
+from dflash_server.models.recurrence import state_at
 
 if TYPE_CHECKING:
     from dflash_server.models.hooks import Recording, TargetHooks

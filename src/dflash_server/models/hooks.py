@@ -25,10 +25,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from dflash_server.models.recurrence import BlockStates, state_at, with_states
 from dflash_server.models.target_parts import find_target_parts
 
 _TAPPED: dict[type, type] = {}
-FAST_RECURRENCE = True  # record with ``_with_states`` where it applies (else step the original)
+FAST_RECURRENCE = True  # record in chunk form (``recurrence.py``) where it applies, else step
 _RECORDING_CONV: dict[type, type] = {}
 
 
@@ -57,11 +58,11 @@ def _hook_error(what: str) -> HookError:
 class Recording:
     """What one recorded forward left behind: per GDN layer, its recurrence call and conv input.
 
-    ``updates[i]`` = (args, kwargs, the state after each token — a list, or stacked on a leading
-    token axis — or None where only inputs are kept).
+    ``updates[i]`` = (args, kwargs, what gives the state after each token: the chunk form's
+    ``BlockStates``, a list of states, or None where only inputs are kept).
     """
 
-    updates: list[tuple[tuple, dict, list[mx.array] | mx.array | None]] = field(
+    updates: list[tuple[tuple, dict, BlockStates | list[mx.array] | None]] = field(
         default_factory=list
     )
     conv_inputs: list[mx.array] = field(default_factory=list)
@@ -86,75 +87,6 @@ def _step_by_step(original: Any, args: tuple, kwargs: dict) -> tuple[mx.array, l
         outputs.append(y)
         states.append(state)
     return mx.concatenate(outputs, axis=1), states
-
-
-# Keyword arguments of mlx-lm's gated_delta_update that ``_with_states`` reproduces; any other
-# (lower_bound, allow_neg_eigval, ...) falls back to stepping the original token by token.
-_PLAIN_KWARGS = {"use_kernel"}
-
-
-def _gate(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
-    try:  # mlx-lm's own (compiled) gate, so states match plain decoding's
-        from mlx_lm.models.gated_delta import compute_g
-    except ImportError:  # pragma: no cover - older layouts
-
-        def compute_g(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
-            return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
-
-    return compute_g(A_log, a, dt_bias)
-
-
-@mx.compile
-def _recurrence(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
-) -> tuple[mx.array, list[mx.array]]:
-    """The gated delta rule over T tokens in one compiled graph that keeps every step's state:
-        ``S <- g_t S``, ``S <- S + (v_t - S k_t) beta_t k_t^T``, ``y_t = S q_t`` (q, k repeated to
-        the Hv value heads). Returns y and each step's state ``[B, H, 1, Dv, Dk]`` (``state_at``
-    drops the axis of the one a rollback keeps).
-
-        Shaped for CPU cost: one split per input instead of a slice and reshapes per step (every
-        primitive costs a scheduling step), and the two contractions with the state are matmuls, so
-        no state-sized product is materialised to be summed (memory traffic at larger heads).
-    """
-    T = q.shape[1]
-    qs = mx.split(q[..., None].swapaxes(1, 2), T, axis=2)  # [B, H, 1, Dk, 1]
-    kc = mx.split(k[..., None].swapaxes(1, 2), T, axis=2)  # columns, for S k
-    kr = mx.split(k[..., None, :].swapaxes(1, 2), T, axis=2)  # rows [B, H, 1, 1, Dk]
-    vs = mx.split(v[..., None].swapaxes(1, 2), T, axis=2)  # [B, H, 1, Dv, 1]
-    gs = mx.split(g[..., None, None].swapaxes(1, 2), T, axis=2)  # [B, H, 1, 1, 1]
-    betas = mx.split(beta[..., None, None].swapaxes(1, 2), T, axis=2)
-    state = state[:, :, None]  # [B, H, 1, Dv, Dk]
-    ys, states = [], []
-    for t in range(T):
-        state = state * gs[t]
-        delta = (vs[t] - state @ kc[t]) * betas[t]  # [B, H, 1, Dv, 1]
-        state = state + delta * kr[t]
-        ys.append(state @ qs[t])  # [B, H, 1, Dv, 1]
-        states.append(state)
-    y = mx.concatenate(ys, axis=2)[..., 0].swapaxes(1, 2)  # [B, T, H, Dv]
-    return y, states
-
-
-def state_at(states: list[mx.array], n: int) -> mx.array:
-    """The recurrent state after ``n`` recorded tokens (``[B, H, Dv, Dk]``)."""
-    state = states[n - 1]
-    return state.reshape(*state.shape[:2], *state.shape[3:]) if state.ndim == 5 else state
-
-
-def _with_states(args: tuple, kwargs: dict) -> tuple[mx.array, list[mx.array]] | None:
-    """mlx-lm's ops-path recurrence in one compiled call, keeping each step's state (for a
-    lookup rollback); None for calls it does not cover (masks, vector gates, extra options)."""
-    q, k, v, a, b, A_log, dt_bias, state = args[:8]
-    mask = args[8] if len(args) > 8 else kwargs.get("mask")
-    if mask is not None or set(kwargs) - _PLAIN_KWARGS - {"mask"} or a.ndim != 3:
-        return None
-    if state is None:
-        state = mx.zeros((q.shape[0], v.shape[-2], v.shape[-1], k.shape[-1]), mx.float32)
-    if (repeat := v.shape[-2] // k.shape[-2]) > 1:
-        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-    y, states = _recurrence(q, k, v, _gate(A_log, a, dt_bias), mx.sigmoid(b), state)
-    return y.astype(q.dtype), states
 
 
 def _tapped_class(cls: type) -> type:
@@ -261,7 +193,7 @@ class TargetHooks:
 
         def gated_delta_update(*args: Any, **kwargs: Any) -> Any:
             if sequential_ops():
-                fast = _with_states(args, kwargs) if FAST_RECURRENCE else None
+                fast = with_states(args, kwargs) if FAST_RECURRENCE else None
                 y, states = (
                     fast if fast is not None else _step_by_step(original, args, dict(kwargs))
                 )
