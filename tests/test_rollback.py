@@ -60,3 +60,29 @@ def test_rollback_equals_fresh_prefill(request, monkeypatch, arch, accepted):
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
     # The drafter's context now covers exactly the committed positions.
     assert sum(piece.shape[1] for piece in decoder._context) == accepted + 1
+
+
+@pytest.mark.parametrize("gates", ["mixed", "closed", "open"])
+def test_chunk_form_equals_mlx_lm_steps(gates):
+    """The chunk-form recurrence (outputs, and the state after every prefix) against mlx-lm's
+    own gated_delta_update stepped token by token, with value heads sharing key heads."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    from dflash_server.models.hooks import _step_by_step
+    from dflash_server.models.recurrence import state_at, with_states
+
+    mx.random.seed(3)
+    B, T, Hk, Hv, D = 1, 16, 2, 4, 32
+    q, k = (mx.random.normal((B, T, Hk, D)) / D**0.5 for _ in range(2))
+    v = mx.random.normal((B, T, Hv, D))
+    shift = {"mixed": 0.0, "closed": 30.0, "open": -30.0}[gates]  # gates near 0 / near 1
+    a = mx.random.normal((B, T, Hv)) + shift
+    b = mx.random.normal((B, T, Hv))
+    A_log, dt_bias = mx.random.normal((Hv,)), mx.random.normal((Hv,))
+    state = mx.random.normal((B, Hv, D, D)) * 0.5
+    args = (q, k, v, a, b, A_log, dt_bias, state)
+    y, states = with_states(args, {"use_kernel": False})
+    y_ref, states_ref = _step_by_step(gated_delta_update, args, {"use_kernel": False})
+    assert mx.allclose(y, y_ref, atol=1e-5, rtol=1e-4).item()
+    for n in range(1, T + 1):
+        assert mx.allclose(state_at(states, n), states_ref[n - 1], atol=1e-5, rtol=1e-4).item()
