@@ -224,8 +224,10 @@ class Engine:
                 return False
             final = run.step()
             if final is not None:
-                run.job.emit(self._finished(run) if final is _DONE else final)
+                # Free the slot before the client hears the end: its next request must fit.
+                event = self._finished(run) if final is _DONE else final
                 self._close(run)
+                run.job.emit(event)
         return True
 
     def _fail(self, message: str) -> None:

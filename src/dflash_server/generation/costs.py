@@ -249,9 +249,10 @@ def _calibrate(
     for _ in range(rounds):
         for width in widths:
             gaps[width] += periods(width, 6 if width == 1 else 3)
-    for width, seconds in gaps.items():
-        if seconds:
-            costs.residual[width] = math.log(statistics.median(seconds) / costs.base(width))
+    loop = {w: statistics.median(seconds) for w, seconds in gaps.items() if seconds}
+    spec = _rising({w: t for w, t in loop.items() if w > 1})  # a wider cycle never costs less
+    for width, seconds in {**loop, **spec}.items():
+        costs.residual[width] = math.log(seconds / costs.base(width))
 
 
 def _rising(points: dict[int, float]) -> dict[int, float]:
