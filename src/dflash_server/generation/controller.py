@@ -6,13 +6,15 @@ second::
     E[B] = 1 + sum_{i=1}^{B-1} prod_{j<=i} a_j        a_j = P(draft j accepted | drafts < j were)
     B*   = argmax_B  E[B] / t(B)                        t(1): plain step, no drafter pass
 
-``a_j`` comes from the recent cycles (exponentially decayed counts per block position, shrunk
-towards their pooled rate, which also stands in for positions not tried lately), ``t`` from the
-``CostModel`` measured at load and refined from this request's cycle timings. When plain decoding
-wins, the controller probes speculation again after a gap of plain steps that doubles after each
-probe that does not pay (up to ``max_probe_gap``), so it recovers when the text turns
-predictable. Any sequence of widths is lossless: each cycle is exact on its own, and the width
-is chosen from past cycles only (never from the drafts it is about to verify).
+``a_j`` comes from the recent cycles (exponentially decayed counts per block position, lightly
+shrunk towards a per-cycle rate, which also stands in for positions not tried lately), ``t`` from
+the ``CostModel`` measured at load and refined from this request's cycle timings. Switching
+between plain decoding and speculation needs a margin (hysteresis). When plain decoding wins,
+the controller probes speculation again after a gap of plain steps that doubles after each probe
+that does not pay (up to ``max_probe_gap``); a fully accepted probe is followed at once by a
+wider one, so it recovers when the text turns predictable. Any sequence of widths is lossless:
+each cycle is exact on its own, and the width is chosen from past cycles only (never from the
+drafts it is about to verify).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class BlockController:
         max_block: int,
         costs: CostModel,
         *,
-        probe_gap: int = 24,
+        probe_gap: int = 16,
         max_probe_gap: int = 256,
         probe_block: int = 2,
         probe_decay: float = 0.25,
@@ -150,6 +152,7 @@ class BlockController:
         self.gap = probe_gap  # plain steps before the next probe
         self.plain_run = 0  # plain steps decided since the last speculative cycle
         self.probing = False  # the speculative cycle in flight is a probe
+        self.widen_probe = 0  # width of a follow-up probe (after a fully accepted one)
         self.probes = 0
 
     def _value(self, rates: list[float], size: int) -> float:
@@ -174,6 +177,11 @@ class BlockController:
             return 1
         # While decoding plainly no acceptance evidence arrives: reuse the last choice, and
         # re-check only every few steps (the cost corrections still move).
+        if self.widen_probe:  # the last probe's block was fully accepted: look wider at once
+            size, self.widen_probe = min(self.widen_probe, room), 0
+            self.probing, self.plain_run = True, 0
+            self.probes += 1
+            return size
         if self.plain_run and self.plain_run % 8 and self.plain_run < self.gap:
             self.plain_run += 1
             return 1
@@ -202,7 +210,10 @@ class BlockController:
         if self.probing:
             self.probing = False
             paid = self._best(self.max_block) > 1
-            self.gap = self.min_gap if paid else min(2 * self.gap, self.max_gap)
+            if not paid and accepted == size - 1 and size < self.max_block:
+                self.widen_probe = min(2 * size, self.max_block)  # a small block cannot tell
+            else:
+                self.gap = self.min_gap if paid else min(2 * self.gap, self.max_gap)
 
     def estimate(self) -> dict[str, Any]:
         """The controller's current view, for stats and logs."""
