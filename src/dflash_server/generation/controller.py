@@ -19,6 +19,7 @@ drafts it is about to verify).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dflash_server.generation.costs import CostModel
@@ -138,6 +139,7 @@ class BlockController:
         max_probe_gap: int = 256,
         probe_block: int = 2,
         probe_decay: float = 0.25,
+        probe_budget: float = 0.02,
         prior: SharedPrior | None = None,
         margin: float = 0.05,
     ):
@@ -148,12 +150,22 @@ class BlockController:
         start = {} if prior is None else {"prior_rate": prior.rate}
         self.acceptance = AcceptanceModel(max(1, self.max_block - 1), **start)
         self.min_gap, self.max_gap = probe_gap, max_probe_gap
-        self.probe_block, self.probe_decay = probe_block, probe_decay
-        self.gap = probe_gap  # plain steps before the next probe
+        self.probe_block, self.probe_decay, self.probe_budget = (
+            probe_block,
+            probe_decay,
+            probe_budget,
+        )
+        self.gap = self._first_gap()  # plain steps before the next probe
         self.plain_run = 0  # plain steps decided since the last speculative cycle
         self.probing = False  # the speculative cycle in flight is a probe
         self.widen_probe = 0  # width of a follow-up probe (after a fully accepted one)
         self.probes = 0
+
+    def _first_gap(self) -> int:
+        """Plain steps before a first probe: at least ``min_gap``, and enough that a failed
+        probe costs at most ``probe_budget`` of the plain decoding around it."""
+        extra = self.costs.cycle(self.probe_block) / self.costs.cycle(1) - 1
+        return min(self.max_gap, max(self.min_gap, math.ceil(extra / self.probe_budget)))
 
     def _value(self, rates: list[float], size: int) -> float:
         return AcceptanceModel.expected(rates, size) / self.costs.cycle(size)
@@ -213,7 +225,7 @@ class BlockController:
             if not paid and accepted == size - 1 and size < self.max_block:
                 self.widen_probe = min(2 * size, self.max_block)  # a small block cannot tell
             else:
-                self.gap = self.min_gap if paid else min(2 * self.gap, self.max_gap)
+                self.gap = self._first_gap() if paid else min(2 * self.gap, self.max_gap)
 
     def estimate(self) -> dict[str, Any]:
         """The controller's current view, for stats and logs."""
