@@ -150,11 +150,8 @@ class BlockController:
         start = {} if prior is None else {"prior_rate": prior.rate}
         self.acceptance = AcceptanceModel(max(1, self.max_block - 1), **start)
         self.min_gap, self.max_gap = probe_gap, max_probe_gap
-        self.probe_block, self.probe_decay, self.probe_budget = (
-            probe_block,
-            probe_decay,
-            probe_budget,
-        )
+        self.probe_block, self.probe_decay = probe_block, probe_decay
+        self.probe_budget = probe_budget
         self.gap = self._first_gap()  # plain steps before the next probe
         self.plain_run = 0  # plain steps decided since the last speculative cycle
         self.probing = False  # the speculative cycle in flight is a probe
@@ -187,13 +184,13 @@ class BlockController:
         """The width of the next cycle; at most ``room`` positions (tokens still wanted)."""
         if room <= 1 or self.max_block == 1:
             return 1
-        # While decoding plainly no acceptance evidence arrives: reuse the last choice, and
-        # re-check only every few steps (the cost corrections still move).
         if self.widen_probe:  # the last probe's block was fully accepted: look wider at once
             size, self.widen_probe = min(self.widen_probe, room), 0
             self.probing, self.plain_run = True, 0
             self.probes += 1
             return size
+        # While decoding plainly no acceptance evidence arrives: reuse the last choice, and
+        # re-check only every few steps (the cost corrections still move).
         if self.plain_run and self.plain_run % 8 and self.plain_run < self.gap:
             self.plain_run += 1
             return 1
