@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash_server.generation.prefix import Checkpoint, PromptSnapshot
+from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, common_prefix, restorable
 
 log = logging.getLogger("dflash_server")
 FORMAT = "dflash-prefix-1"
@@ -38,9 +38,7 @@ class _File:
     nbytes: int
 
     def restorable(self, limit: int) -> int:
-        if not self.recurrent:
-            return limit
-        return max((p for p in self.checkpoints if p <= limit), default=0)
+        return restorable(limit, self.recurrent, self.checkpoints)
 
 
 def _read_header(path: Path) -> dict[str, str]:
@@ -108,8 +106,6 @@ class PrefixDisk:
         self, kind: tuple, tokens: np.ndarray, limit: int, better_than: int
     ) -> PromptSnapshot | None:
         """The snapshot restoring more than ``better_than`` tokens of ``tokens``, if on disk."""
-        from dflash_server.engine.prefix_cache import common_prefix
-
         with self._lock:
             scored = [
                 (f.restorable(min(common_prefix(f.tokens, tokens), limit)), f)
