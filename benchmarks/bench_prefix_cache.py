@@ -26,8 +26,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load
 
+from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
-from dflash_server.engine.prompts import render_chat
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.prefix import Checkpoint
 from dflash_server.generation.request import BlockPolicy, GenerationRequest

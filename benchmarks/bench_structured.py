@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench_dflash import PROMPT, random_drafter
 from dflash_server import load
-from dflash_server.engine.structured import GrammarConstraint, response_format_grammar
+from dflash_server.chat.structured import GrammarConstraint, response_format_grammar
 from dflash_server.generation.controller import FixedBlock
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder

@@ -8,8 +8,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from dflash_server.engine.budget import Both, Budgeted, ThinkingBudget
-from dflash_server.engine.structured import Grammar, response_format_grammar
+from dflash_server.chat.budget import Both, Budgeted, ThinkingBudget
+from dflash_server.chat.structured import Grammar, response_format_grammar
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from dflash_server.chat.prompts import render_chat, render_completion
+from dflash_server.chat.reasoning import ReasoningSplitter, split_reasoning
 from dflash_server.engine.loader import LoadedModels, ModelLoadError, load_models, resolve_model
-from dflash_server.engine.prompts import render_chat, render_completion
-from dflash_server.engine.reasoning import ReasoningSplitter, split_reasoning
 from dflash_server.engine.worker import (
     Engine,
     EngineNotReady,

@@ -13,11 +13,11 @@ import httpx
 import mlx.core as mx
 import pytest
 
+from dflash_server.chat.prompts import render_chat
+from dflash_server.chat.structured import Grammar, response_format_grammar
 from dflash_server.engine.loader import load_models
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
-from dflash_server.engine.prompts import render_chat
-from dflash_server.engine.structured import Grammar, response_format_grammar
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.sampling import SamplingParams

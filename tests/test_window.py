@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_server import stream_generate
+from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
-from dflash_server.engine.prompts import render_chat
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate

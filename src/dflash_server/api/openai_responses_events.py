@@ -24,8 +24,8 @@ from dflash_server.api.errors import APIError
 from dflash_server.api.openai_responses import ResponsesRequest
 from dflash_server.api.prepare import Prepared
 from dflash_server.api.responses import ChatText, dflash_stats, dumps, job_events, run_to_end
+from dflash_server.chat.tool_calls import ToolCall
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
-from dflash_server.engine.tool_calls import ToolCall
 
 
 def _id(prefix: str) -> str:

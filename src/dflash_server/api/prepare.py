@@ -27,8 +27,8 @@ from dflash_server.api.types import (
     SamplingFields,
     unsupported_features,
 )
-from dflash_server.engine.prompts import Prompt, PromptError, render_chat, render_completion
-from dflash_server.engine.structured import Grammar
+from dflash_server.chat.prompts import Prompt, PromptError, render_chat, render_completion
+from dflash_server.chat.structured import Grammar
 from dflash_server.engine.worker import Engine
 from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.request import PLAIN, BlockPolicy, GenerationRequest, block_policy

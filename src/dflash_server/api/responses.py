@@ -19,10 +19,10 @@ from typing import Any
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared
+from dflash_server.chat.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from dflash_server.chat.reasoning import ReasoningSplitter, think_markers
+from dflash_server.chat.tool_calls import ToolCall, ToolCallParser
 from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
-from dflash_server.engine.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
-from dflash_server.engine.reasoning import ReasoningSplitter, think_markers
-from dflash_server.engine.tool_calls import ToolCall, ToolCallParser
 
 DONE = "[DONE]"
 # How often a non-streaming request checks whether its client is still there.

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash_server.engine.logprobs import TokenLogprob
+from dflash_server.chat.logprobs import TokenLogprob
 from dflash_server.generation.request import GenerationRequest
 from dflash_server.generation.stats import SpeculativeStats
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
+from dflash_server.chat.logprobs import TokenTexts, token_logprobs
 from dflash_server.engine.jobs import (
     EngineNotReady,
     Event,
@@ -30,7 +31,6 @@ from dflash_server.engine.jobs import (
     TextChunk,
 )
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
-from dflash_server.engine.logprobs import TokenTexts, token_logprobs
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.request import GenerationRequest
 from dflash_server.generation.stream import GenerationResponse, generate

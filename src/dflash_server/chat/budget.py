@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from dflash_server.engine.logprobs import hf_tokenizer
+from dflash_server.chat.logprobs import hf_tokenizer
 from dflash_server.generation.protocols import ConstraintSpec, TokenConstraint
 
 
