@@ -57,6 +57,12 @@ def zero_middle(path: Path) -> None:
     join(path, header, body[:q] + bytes(2 * q) + body[3 * q :])
 
 
+def zero_header(path: Path) -> None:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    path.write_bytes(bytes(8 + n) + data[8 + n :])
+
+
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size * 3 // 4])
 
@@ -88,6 +94,7 @@ def old_format(path: Path) -> None:
 
 DAMAGE: dict[str, Callable[[Path], None]] = {
     "zeroed middle": zero_middle,
+    "zeroed header": zero_header,
     "truncated": truncate,
     "reshaped": reshape,
     "wrong size": wrong_size,
@@ -139,9 +146,10 @@ def test_a_damaged_entry_is_removed_and_the_request_prefills_cold(
         cache = restarted(tmp_path)
         tokens, cached = run(model, draft, tokenizer, prompt, cache)
     assert tokens == cold and cached == 0
-    assert f"{path.name} is damaged" in caplog.text
+    assert f"{path.name} cannot be verified" in caplog.text
     assert not path.exists()
     assert cache.disk is not None and cache.disk.stats()["reads"] == 0
+    assert cache.disk.stats()["rejected"] == 1
     cache.close()  # the cold request's own entry goes to disk again, intact
     again, cached = run(model, draft, tokenizer, prompt, restarted(tmp_path))
     assert again == cold and cached == len(prompt.tokens) - 1
@@ -157,7 +165,7 @@ def test_damage_after_the_restart_is_caught_on_read(models, tmp_path: Path, capl
     with caplog.at_level(logging.WARNING, logger="dflash_server"):
         tokens, cached = run(model, draft, tokenizer, prompt, cache)
     assert tokens == cold and cached == 0
-    assert f"{path.name} is damaged (checksum mismatch)" in caplog.text
+    assert f"{path.name} cannot be verified (checksum mismatch)" in caplog.text
     assert not path.exists() and cache.disk.stats()["entries"] == 0
     cache.close()
 

@@ -102,7 +102,7 @@ class PrefixDisk:
         self._files: dict[Path, _File] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[tuple, PromptSnapshot] | None] = queue.Queue()
-        self.writes = self.reads = 0
+        self.writes = self.reads = self.rejected = 0
         for path in sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
             self._index(path)
         self._writer = threading.Thread(target=self._write_loop, name="prefix-disk", daemon=True)
@@ -118,6 +118,7 @@ class PrefixDisk:
                 "bytes": sum(f.nbytes for f in self._files.values()),
                 "writes": self.writes,
                 "reads": self.reads,
+                "rejected": self.rejected,  # files that failed verification, removed
             }
 
     def _index(self, path: Path) -> None:
@@ -126,7 +127,7 @@ class PrefixDisk:
             meta = _read_header(path)
             if meta.get("format") != FORMAT:
                 if str(meta.get("format", "")).startswith("dflash-prefix-"):
-                    raise Damaged(f"format {meta['format']} has no checksum to verify")
+                    raise Damaged(f"{meta['format']}: written without a checksum")
                 raise ValueError(f"not a {FORMAT} file")
             if meta.get("fingerprint") != self.fingerprint:  # still good for those models
                 log.warning("prefix cache: %s belongs to other models; ignored", path.name)
@@ -140,7 +141,7 @@ class PrefixDisk:
                 meta["recurrent"] == "1",
                 path.stat().st_size,
             )
-        except (OSError, ValueError, KeyError, struct.error) as exc:
+        except Exception as exc:  # whatever is wrong with one file, the server still starts
             if ours or isinstance(exc, Damaged):
                 self._discard(path, exc)
             else:
@@ -151,10 +152,14 @@ class PrefixDisk:
 
     def _discard(self, path: Path, reason: object) -> None:
         """A file of ours that cannot be trusted: out of the index and off the disk."""
-        log.warning("prefix cache: %s is damaged (%s); removed", path.name, reason)
+        log.warning("prefix cache: %s cannot be verified (%s); removed", path.name, reason)
         with self._lock:
             self._files.pop(path, None)
-        path.unlink(missing_ok=True)
+            self.rejected += 1
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:  # never used anyway: it is out of the index
+            log.warning("prefix cache: cannot remove %s (%s)", path.name, exc)
 
     # ----- reading (worker thread) -----------------------------------------------------------
 
@@ -188,8 +193,8 @@ class PrefixDisk:
         if _digest(meta, arrays, READ_THREADS) != meta.get("checksum"):
             raise Damaged("checksum mismatch")
         tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype=np.int32)
-        kind = _as_tuple(json.loads(meta["kind"]))
-        if kind != entry.kind or not np.array_equal(tokens, entry.tokens):
+        stored_kind = _as_tuple(json.loads(meta["kind"]))
+        if stored_kind != entry.kind or not np.array_equal(tokens, entry.tokens):
             raise Damaged("changed since it was indexed")
         layers = json.loads(meta["layers"])  # "kv" or "recurrent" per target layer
         kv = [
