@@ -33,8 +33,9 @@ from mlx_lm import load
 import dflash_server.engine.prefix_disk as prefix_disk
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
+from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot
-from dflash_server.generation.request import GenerationRequest
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from dflash_server.testing import build_target, mask_token_id
 
@@ -145,12 +146,17 @@ def model_end_to_end(n: int, spent: list[float]) -> dict:
         model, tokenizer = load(str(path))
         draft = random_drafter(model, mask_id=mask_token_id(path))
         tokens = tuple(int(t) for t in np.random.default_rng(1).integers(10, 300, n))
-        request = GenerationRequest(tokens, 1, block_size=draft.config.block_size)
+        request = GenerationRequest(tokens, 1, block=BlockPolicy(draft.config.block_size))
 
         def ttft(cache) -> tuple[float, int]:
             start = time.perf_counter()
             out = list(
-                generate(model, draft, tokenizer, request, prefill_step_size=512, prefix=cache)
+                generate(
+                    ModelPair.of(model, tokenizer, draft),
+                    request,
+                    prefill_step_size=512,
+                    prefix=cache,
+                )
             )
             return time.perf_counter() - start, out[-1].stats.cached_tokens
 

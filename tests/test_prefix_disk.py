@@ -14,10 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
+from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
-from dflash_server.engine.prompts import render_chat
-from dflash_server.generation.request import GenerationRequest
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from dflash_server.testing import random_drafter
 from server_fixtures import build_draft, make_app, run_server
@@ -32,9 +33,10 @@ CHAT = [
 def run(model, draft, tokenizer, prompt, cache) -> tuple[list[int], int]:
     """Greedy tokens of one request and its cached_tokens."""
     request = GenerationRequest(
-        tuple(prompt.tokens), 12, checkpoints=prompt.checkpoints, block_size=4
+        tuple(prompt.tokens), 12, checkpoints=prompt.checkpoints, block=BlockPolicy(4)
     )
-    out = list(generate(model, draft, tokenizer, request, prefill_step_size=16, prefix=cache))
+    pair = ModelPair.of(model, tokenizer, draft)
+    out = list(generate(pair, request, prefill_step_size=16, prefix=cache))
     return [t for r in out for t in r.tokens], out[-1].stats.cached_tokens
 
 
