@@ -246,10 +246,7 @@ class _Stream:
         if self.logprobs is not None and ev is not None:
             self.logprobs += ev.logprobs or []
         if self.tokens is not None and ev is not None:
-            self.tokens += [
-                {"text": t, "source": "draft" if drafted else "target"}
-                for t, drafted in ev.sources or []
-            ]
+            self.tokens += [{"text": t, "source": source} for t, source in ev.sources or []]
         if self.chat is None:
             if not text:
                 return None

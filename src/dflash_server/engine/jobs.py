@@ -33,7 +33,7 @@ class TextChunk:
     text: str
     tokens: int
     logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
-    sources: list[tuple[str, bool]] | None = None  # per token: (text, accepted draft?)
+    sources: list[tuple[str, str]] | None = None  # per token: (text, draft/suffix/target)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.controller import SUFFIX, BlockController, Choice, FixedBlock
 from dflash_server.generation.costs import CostModel
 from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.suffix import Proposal, SuffixProposer
 from dflash_server.generation.target import TargetModel
 
 
@@ -32,12 +33,13 @@ def _widths(block: int) -> list[int]:
 
 def measure_costs(
     model: nn.Module,
-    draft: Drafter,
+    draft: Drafter | None,
     *,
     context: int = 64,
     plain_steps: int = 8,
     budget_s: float = 3.0,
     calibrate: bool = True,
+    widest: int = 0,
 ) -> CostModel:
     """Time plain decoding (``plain_steps`` pipelined steps, as the decoder runs them), recorded
     verifies of a few widths and the drafter pass, each after a warm-up, on a ``context``-token
@@ -47,18 +49,25 @@ def measure_costs(
     exist before a request needs them. ``calibrate``: then decode a few real steps and cycles
     and start the corrections from what they took (``_calibrate``).
 
+    ``widest``: verify widths up to this one are measured too (suffix copies verify without a
+    drafter pass and may be wider than its block), and calibrated as verify-only cycles;
+    ``draft=None`` measures plain steps and verify-only cycles alone.
+
     Runs MLX work: call it on the thread that owns the models (the engine's worker).
     """
     start = time.perf_counter()
-    block = int(draft.config.block_size)
-    target = TargetModel(model, tuple(draft.config.target_layer_ids))
-    ids = mx.arange(1, context + block + 1)[None] % 97 + 1
+    block = int(draft.config.block_size) if draft is not None else 1
+    widest = max(block, widest)
+    taps_ids = tuple(draft.config.target_layer_ids) if draft is not None else ()
+    target = TargetModel(model, taps_ids)
+    ids = mx.arange(1, context + widest + 1)[None] % 97 + 1
     with mx.stream(generation_stream):
         cache = target.make_cache()
         _, taps = target.forward(ids[:, :context], cache, slice(-1, None))
-        draft_cache = draft.make_cache()
-        assert taps is not None, "a target tapped for the drafter"
-        draft.append_context(taps, draft_cache)
+        draft_cache = draft.make_cache() if draft is not None else []
+        if draft is not None:
+            assert taps is not None, "a target tapped for the drafter"
+            draft.append_context(taps, draft_cache)
         mx.eval([c.state for c in cache], [c.state for c in draft_cache])
     rollback = target.make_rollback(cache)
 
@@ -106,6 +115,7 @@ def measure_costs(
         return run
 
     def drafting(size: int) -> Any:
+        assert draft is not None
         block_ids = mx.array([[1] + [draft.config.mask_token_id] * (size - 1)])
         greedy = TokenSampler(SamplingParams())
 
@@ -119,10 +129,10 @@ def measure_costs(
 
     costs = CostModel(
         plain=timed(plain),
-        verify=_rising({w: timed(verify(w)) for w in _widths(block) if w > 1}),
-        draft=_rising({s: timed(drafting(s)) for s in sorted({2, block})}),
+        verify=_rising({w: timed(verify(w)) for w in _widths(widest) if w > 1}),
+        draft={} if draft is None else _rising({s: timed(drafting(s)) for s in sorted({2, block})}),
     )
-    costs.verify[1] = min(costs.plain, min(costs.verify.values()))  # for display and slopes
+    costs.verify[1] = min(costs.plain, min(costs.verify.values(), default=costs.plain))
     for width in range(2, block):  # compile every width's graphs now, not in a request
         if width not in costs.verify:
             verify(width)()
@@ -130,6 +140,8 @@ def measure_costs(
     if calibrate:
         prompt = cast("list[int]", ids[0, :context].tolist())
         _calibrate(costs, target, draft, prompt, _widths(block))
+        copies = [w for w in _widths(widest) if w > 1]
+        _calibrate_copies(costs, TargetModel(model, taps_ids), draft, prompt, copies)
     costs.measured_s = time.perf_counter() - start
     return costs
 
@@ -137,7 +149,7 @@ def measure_costs(
 def _calibrate(
     costs: CostModel,
     target: TargetModel,
-    draft: Drafter,
+    draft: Drafter | None,
     prompt: list[int],
     widths: list[int],
     rounds: int = 2,
@@ -158,6 +170,8 @@ def _calibrate(
                 break
         return [b - a for a, b in itertools.pairwise(stamps[1:])]  # after the prefill: cycles
 
+    if draft is None:
+        widths = [1]
     gaps: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(rounds):
         for width in widths:
@@ -166,6 +180,49 @@ def _calibrate(
     spec = _rising({w: t for w, t in loop.items() if w > 1})  # a wider cycle never costs less
     for width, seconds in {**loop, **spec}.items():
         costs.residual[width] = math.log(seconds / costs.base(width))
+
+
+class _Copies(BlockController):
+    """Calibration only: every cycle verifies ``width - 1`` copied tokens (never accepted)."""
+
+    def __init__(self, width: int, costs: CostModel):
+        super().__init__(1, costs.copy())
+        self.costs.refine = False
+        self.width = width
+
+    def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
+        if room <= self.width:
+            return Choice.width(1)
+        return Choice(SUFFIX, self.width, tuple(range(1, self.width)))
+
+    def observe(self, size: int, accepted: int, seconds: float | None, source: str = "") -> None:
+        pass
+
+
+def _calibrate_copies(
+    costs: CostModel,
+    target: TargetModel,
+    draft: Drafter | None,
+    prompt: list[int],
+    widths: list[int],
+    cycles: int = 3,
+) -> None:
+    """Start the verify-only residuals from short real decodes of copied-token cycles (no
+    drafter pass: what suffix drafts cost in the loop, which component timings miss)."""
+    loop: dict[int, float] = {}
+    for width in widths:
+        proposer = SuffixProposer(prompt)
+        decoder = SpeculativeDecoder(
+            target, draft, TokenSampler(SamplingParams()), _Copies(width, costs), suffix=proposer
+        )
+        stamps = []
+        for _ in decoder.generate(prompt, (cycles + 2) * width + 1):
+            stamps.append(time.perf_counter())
+            if len(stamps) == cycles + 2:
+                break
+        loop[width] = statistics.median(b - a for a, b in itertools.pairwise(stamps[1:]))
+    for width, seconds in _rising(loop).items():
+        costs.verify_residual[width] = math.log(seconds / costs.base(width, drafted=False))
 
 
 def _rising(points: dict[int, float]) -> dict[int, float]:

@@ -15,14 +15,40 @@ that does not pay (up to ``max_probe_gap``); a fully accepted probe is followed 
 wider one, so it recovers when the text turns predictable. Any sequence of widths is lossless:
 each cycle is exact on its own, and the width is chosen from past cycles only (never from the
 drafts it is about to verify).
+
+Suffix drafts (``generation/suffix.py``) are a third choice: a proposal copied from the context,
+verified without a drafter pass, possibly wider than the drafter's block. ``choose`` takes it
+when its expected tokens per second, from the proposal's confidences (scaled by how well they
+predicted recent suffix cycles) over the verify-only cost, beat the drafter's (or plain) choice.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from dflash_server.generation.costs import CostModel
+
+if TYPE_CHECKING:
+    from dflash_server.generation.suffix import Proposal
+
+PLAIN, DRAFTER, SUFFIX = "plain", "drafter", "suffix"  # where a cycle's drafts come from
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the next cycle verifies: ``size`` positions (1: a plain step), drafted by the
+    drafter or copied (``tokens``, ``size - 1`` of them) from a suffix proposal."""
+
+    source: str
+    size: int
+    tokens: tuple[int, ...] = ()
+
+    @classmethod
+    def width(cls, size: int) -> Choice:
+        return cls(DRAFTER if size > 1 else PLAIN, size)
 
 
 class FixedBlock:
@@ -36,11 +62,44 @@ class FixedBlock:
     def next_size(self, room: int) -> int:
         return max(1, min(self.block_size, room))
 
-    def observe(self, size: int, accepted: int, seconds: float | None) -> None:
+    def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
+        """A fixed width never copies: suffix drafts need the costs only "auto" has."""
+        return Choice.width(self.next_size(room))
+
+    def observe(
+        self, size: int, accepted: int, seconds: float | None, source: str = DRAFTER
+    ) -> None:
         pass
 
     def estimate(self) -> dict[str, Any] | None:
         return None
+
+
+class SuffixTrust:
+    """How far to believe suffix confidences: the drafts recent suffix cycles got accepted over
+    the number their confidences predicted (decayed sums, 1 to start, within ``bounds``)."""
+
+    def __init__(
+        self, decay: float = 0.8, cap: float = 0.98, bounds: tuple[float, float] = (0.05, 1.5)
+    ):
+        self.decay, self.cap, self.bounds = decay, cap, bounds
+        self.observed = self.predicted = 0.0
+
+    @property
+    def factor(self) -> float:
+        ratio = (self.observed + 1.0) / (self.predicted + 1.0)
+        return min(max(ratio, self.bounds[0]), self.bounds[1])
+
+    def rates(
+        self, confidence: tuple[float, ...] | list[float], factor: float | None = None
+    ) -> list[float]:
+        f = self.factor if factor is None else factor
+        return [min(self.cap, f * c) for c in confidence]
+
+    def observe(self, confidence: tuple[float, ...], accepted: int) -> None:
+        predicted = AcceptanceModel.expected(self.rates(confidence, 1.0), len(confidence) + 1) - 1
+        self.observed = self.decay * self.observed + accepted
+        self.predicted = self.decay * self.predicted + predicted
 
 
 class SharedPrior:
@@ -150,10 +209,14 @@ class BlockController:
         self.probing = False  # the speculative cycle in flight is a probe
         self.widen_probe = 0  # width of a follow-up probe (after a fully accepted one)
         self.probes = 0
+        self.trust = SuffixTrust()
+        self._suffix_queued: deque[tuple[float, ...]] = deque()  # confidences, per cycle in flight
 
     def _first_gap(self) -> int:
         """Plain steps before a first probe: at least ``min_gap``, and enough that a failed
         probe costs at most ``probe_budget`` of the plain decoding around it."""
+        if self.max_block == 1:  # no drafter: nothing to probe (suffix drafts only)
+            return self.max_gap
         extra = self.costs.cycle(self.probe_block) / self.costs.cycle(1) - 1
         return min(self.max_gap, max(self.min_gap, math.ceil(extra / self.probe_budget)))
 
@@ -172,6 +235,30 @@ class BlockController:
         if self.plain_run:  # decoding plainly: speculation must clearly pay to start again
             return best if spec > (1 + self.margin) * plain else 1
         return 1 if plain > (1 + self.margin) * spec else best
+
+    def _suffix_best(self, proposal: Proposal, limit: int) -> tuple[int, float]:
+        """(drafts, expected tokens per second) of the best prefix of a suffix proposal."""
+        rates = self.trust.rates(proposal.confidence[:limit])
+        best, value, total, survive = 0, 0.0, 1.0, 1.0
+        for n, a in enumerate(rates, 1):
+            survive *= a
+            total += survive
+            v = total / self.costs.cycle(n + 1, drafted=False)
+            if v > value:
+                best, value = n, v
+        return best, value
+
+    def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
+        """The next cycle: a suffix proposal's best prefix when it beats (by ``margin``) the
+        drafter's best width or plain decoding, else ``next_size``'s width."""
+        if proposal is not None and room > 1:
+            n, value = self._suffix_best(proposal, room - 1)
+            if n:
+                width = self._best(room) if self.max_block > 1 else 1
+                if value > (1 + self.margin) * self._value(self.acceptance.rates(), width):
+                    self._suffix_queued.append(tuple(proposal.confidence[:n]))
+                    return Choice(SUFFIX, n + 1, tuple(proposal.tokens[:n]))
+        return Choice.width(self.next_size(room))
 
     def next_size(self, room: int) -> int:
         """The width of the next cycle; at most ``room`` positions (tokens still wanted)."""
@@ -198,10 +285,15 @@ class BlockController:
             self.plain_run = 0
         return size
 
-    def observe(self, size: int, accepted: int, seconds: float | None) -> None:
+    def observe(
+        self, size: int, accepted: int, seconds: float | None, source: str = DRAFTER
+    ) -> None:
         """A cycle of ``size`` positions committed ``accepted`` drafts (+1) in ``seconds``."""
         if seconds is not None:
-            self.costs.observe(size, seconds)
+            self.costs.observe(size, seconds, drafted=source != SUFFIX)
+        if source == SUFFIX:
+            self.trust.observe(self._suffix_queued.popleft(), accepted)
+            return
         if size <= 1:
             return  # a plain step says nothing about acceptance
         # A probe's result outweighs the evidence that made speculation stop.
@@ -220,7 +312,7 @@ class BlockController:
     def estimate(self) -> dict[str, Any]:
         """The controller's current view, for stats and logs."""
         rates = self.acceptance.rates()
-        best = self._best(self.max_block)
+        best = self._best(self.max_block) if self.max_block > 1 else 1
         return {
             "block_size": best,
             "expected_tau": round(AcceptanceModel.expected(rates, best), 3),
@@ -229,4 +321,5 @@ class BlockController:
             "plain_ms": round(1e3 * self.costs.cycle(1), 3),
             "cycle_ms": round(1e3 * self.costs.cycle(best), 3),
             "probes": self.probes,
+            "suffix_trust": round(self.trust.factor, 3),
         }

@@ -1,9 +1,10 @@
 """What a cycle costs on this machine and model pair: measured once at load, refined per request.
 
 ``t(1)`` is one plain decoding step; ``t(B)`` for ``B >= 2`` is one drafter pass plus one verify of
-``B`` positions (with the recording it needs). ``generation/calibrate.py`` measures the curve at a
-few widths; widths in between are interpolated linearly, which is how verify cost grows in the
-memory-bound regime (docs/design.md, "Adaptive speculation").
+``B`` positions (with the recording it needs); a verify-only cycle (suffix drafts: no drafter
+pass) costs the verify alone, and may be wider than the drafter's block. ``generation/calibrate.py`` measures the curve at a
+few widths; widths in between are interpolated linearly (and wider ones extrapolated from the widest two),
+which is how verify cost grows in the memory-bound regime (docs/design.md, "Adaptive speculation").
 
 Each request refines its own copy from the wall time of its real cycles: a residual per width
 (calibrated at load) plus a small shared correction, in log space and clipped, so a slow consumer
@@ -32,6 +33,7 @@ class CostModel:
     # log(observed / component estimate): one residual per width (1 = plain; calibrated at
     # load, then refined from real cycles; unseen widths interpolate), plus a shared drift.
     residual: dict[int, float] = field(default_factory=dict)
+    verify_residual: dict[int, float] = field(default_factory=dict)  # verify-only cycles
     log_scale: float = 0.0
 
     @staticmethod
@@ -49,38 +51,51 @@ class CostModel:
         slope = (points[hi] - points[lo]) / (hi - lo)
         return points[lo] + slope * (x - lo)
 
-    def base(self, size: int) -> float:
-        """The component estimate of one cycle of ``size`` positions (draft + verify)."""
+    def base(self, size: int, drafted: bool = True) -> float:
+        """The component estimate of one cycle of ``size`` positions (draft + verify; without
+        ``drafted``, a verify-only cycle)."""
         if size <= 1:
             return self.plain
-        return max(self._interp(self.draft, size) + self._interp(self.verify, size), 1e-6)
+        draft = self._interp(self.draft, size) if drafted else 0.0
+        return max(draft + self._interp(self.verify, size), 1e-6)
 
-    def _residual(self, size: int) -> float:
+    def _residual(self, size: int, drafted: bool = True) -> float:
         size = max(1, size)
+        if not drafted and size > 1:
+            # Verify-only cycles have their own residuals; until some exist, a plain step's
+            # (the same loop work: no drafter pass).
+            if not self.verify_residual:
+                return self.residual.get(1, 0.0)
+            if size in self.verify_residual:
+                return self.verify_residual[size]
+            return self._interp(self.verify_residual, size)
         same_kind = {w: r for w, r in self.residual.items() if (w > 1) == (size > 1)}
         if size in same_kind or not same_kind:
             return same_kind.get(size, 0.0)
         return self._interp(same_kind, size)
 
-    def cycle(self, size: int) -> float:
+    def cycle(self, size: int, drafted: bool = True) -> float:
         """The current estimate: the component estimate times calibration and refinement."""
-        return self.base(size) * math.exp(self.log_scale + self._residual(size))
+        residual = self._residual(size, drafted)
+        return self.base(size, drafted) * math.exp(self.log_scale + residual)
 
-    def observe(self, size: int, seconds: float) -> None:
+    def observe(self, size: int, seconds: float, drafted: bool = True) -> None:
         """Fold one real cycle's wall time into its width's residual (and a little into the
         shared drift, so widths not used lately follow a slower machine or a longer context)."""
         if not self.refine or not seconds > 0:
             return
         size = max(1, size)
-        residual = self._residual(size)
-        error = math.log(seconds / self.base(size)) - self.log_scale - residual
+        residual = self._residual(size, drafted)
+        error = math.log(seconds / self.base(size, drafted)) - self.log_scale - residual
         error = max(-_CLIP, min(_CLIP, error))
-        self.residual[size] = residual + _ALPHA * error
+        residuals = self.residual if drafted or size == 1 else self.verify_residual
+        residuals[size] = residual + _ALPHA * error
         self.log_scale += _ALPHA / 4 * error
 
     def copy(self) -> CostModel:
         return replace(self, verify=dict(self.verify), draft=dict(self.draft),
-                       residual=dict(self.residual))  # fmt: skip
+                       residual=dict(self.residual),
+                       verify_residual=dict(self.verify_residual))  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         """Milliseconds, for logs and stats."""
@@ -88,14 +103,18 @@ class CostModel:
             "plain_ms": round(1e3 * self.cycle(1), 3),
             "draft_ms": {b: round(1e3 * t, 3) for b, t in sorted(self.draft.items())},
             "verify_ms": {b: round(1e3 * t, 3) for b, t in sorted(self.verify.items())},
-            "cycle_ms": {b: round(1e3 * self.cycle(b), 3) for b in sorted(self.verify)},
+            "cycle_ms": {
+                b: round(1e3 * self.cycle(b, bool(self.draft)), 3) for b in sorted(self.verify)
+            },
         }
 
     def describe(self) -> str:
         """One startup log line."""
         verify = ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in sorted(self.verify.items()))
         draft = ", ".join(f"{b}: {1e3 * t:.1f}" for b, t in sorted(self.draft.items()))
-        loop = ", ".join(f"{b}: {1e3 * self.cycle(b):.1f}" for b in sorted(self.verify))
+        loop = ", ".join(
+            f"{b}: {1e3 * self.cycle(b, bool(self.draft)):.1f}" for b in sorted(self.verify)
+        )
         return (
             f"cycle cost (ms): plain step {1e3 * self.plain:.1f}; verify by width {{{verify}}}; "
             f"draft {{{draft}}}; in the loop by width {{{loop}}} "

@@ -20,7 +20,10 @@ from dflash_server.generation.calibrate import measure_costs
 from dflash_server.generation.controller import SharedPrior
 from dflash_server.generation.costs import CostModel
 from dflash_server.generation.protocols import Drafter
+from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.generation.target import TargetModel
+
+SUFFIX_INDEX_BYTES = 64 * 1024**2  # the shared suffix index's default budget
 
 
 class WiredLimit:
@@ -55,7 +58,8 @@ class WiredLimit:
 class ModelPair:
     """A target, its tokenizer and its drafter (bound to it; None: plain decoding only), with
     the per-pair state: the tapped target, the cycle costs "auto" decides by, the acceptance
-    prior new requests start from, and the wired-memory holder."""
+    prior new requests start from, the suffix index of recent outputs, and the wired-memory
+    holder."""
 
     model: nn.Module
     tokenizer: TokenizerWrapper
@@ -64,6 +68,9 @@ class ModelPair:
     wired: WiredLimit
     prior: SharedPrior = field(default_factory=SharedPrior)
     measured: CostModel | None = None  # set by ``costs()``, or at load by the engine
+    suffix_index: SharedSuffixIndex = field(
+        default_factory=lambda: SharedSuffixIndex(SUFFIX_INDEX_BYTES)
+    )
 
     @classmethod
     def build(
@@ -95,11 +102,10 @@ class ModelPair:
             pair.tokenizer = tokenizer
         return pair
 
-    def costs(self) -> CostModel:
+    def costs(self, widest: int = 0) -> CostModel:
         """The pair's cycle costs, measured on first use (the engine measures at load, so
-        requests never wait for it). Needs a drafter."""
-        if self.measured is None:
-            if self.draft is None:
-                raise ValueError("cycle costs need a drafter")
-            self.measured = measure_costs(self.model, self.draft)
+        requests never wait for it), again when a verify up to ``widest`` positions (suffix
+        copies) was not measured yet. Without a drafter: plain steps and verify-only cycles."""
+        if self.measured is None or max(self.measured.verify) < widest:
+            self.measured = measure_costs(self.model, self.draft, widest=widest)
         return self.measured

@@ -35,14 +35,24 @@ class Reasoning:
 class BlockPolicy:
     """How many positions each cycle verifies: ``width`` (1: plain decoding, no drafter pass,
     else 2..the drafter's trained block); with ``auto``, ``width`` is the widest, and a
-    controller picks 1..width each cycle from the observed acceptance and measured costs."""
+    controller picks 1..width each cycle from the observed acceptance and measured costs.
+    ``suffix`` > 0 lets that controller also verify up to so many tokens copied from the
+    context (suffix drafts; with ``auto`` or plain decoding only: it needs the costs)."""
 
     width: int = 1
     auto: bool = False
+    suffix: int = 0
 
     def __post_init__(self) -> None:
         if self.width < 1:
             raise ValueError(f"block_size must be >= 1, got {self.width}")
+        if self.suffix < 0:
+            raise ValueError(f"suffix tokens must be >= 0, got {self.suffix}")
+
+    @property
+    def copies(self) -> bool:
+        """Whether suffix drafts run (they need the controller: "auto", or plain decoding)."""
+        return self.suffix > 0 and (self.auto or self.width == 1)
 
 
 PLAIN = BlockPolicy(1)

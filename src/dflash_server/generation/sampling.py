@@ -94,6 +94,13 @@ def token_logprobs(
     return chosen, ids, mx.take_along_axis(logprobs, ids, axis=-1)
 
 
+def point_mass(drafts: mx.array, vocab: int) -> mx.array:
+    """``log q`` of drafts without a distribution of their own (suffix copies): all the mass on
+    the proposed token, so ``accept`` keeps one with probability p(token) and a rejection
+    resamples from p with that token removed, renormalised (docs/design.md, "Suffix drafts")."""
+    return mx.where(mx.arange(vocab)[None] == drafts[:, None], 0.0, -mx.inf)
+
+
 class TokenSampler:
     """Turns logits into tokens under ``SamplingParams``; all on device, no host syncs."""
 

@@ -5,6 +5,9 @@ scores ``[last, d1..d(B-1)]`` in one pass; the longest agreeing prefix plus one 
 bonus) is committed. Caches are rolled back to "prompt + committed", and the taps of the committed
 positions become the drafter's new context. All MLX work runs on mlx-lm's generation stream with one
 host sync per cycle; the next cycle is queued before the caller sees this cycle's tokens.
+
+With a ``SuffixProposer``, a cycle may instead verify tokens copied from the context (no drafter
+pass, up to the proposer's length); the policy picks drafter, suffix or a plain step per cycle.
 """
 
 from __future__ import annotations
@@ -17,11 +20,24 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.controller import BlockController, FixedBlock
+from dflash_server.generation.controller import (
+    DRAFTER,
+    PLAIN,
+    SUFFIX,
+    BlockController,
+    Choice,
+    FixedBlock,
+)
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
 from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
-from dflash_server.generation.sampling import TokenSampler, apply_mask, token_logprobs
+from dflash_server.generation.sampling import (
+    TokenSampler,
+    apply_mask,
+    point_mass,
+    token_logprobs,
+)
 from dflash_server.generation.stats import SpeculativeStats
+from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 
 __all__ = ["Commit", "SpeculativeDecoder", "SpeculativeStats"]
@@ -41,11 +57,12 @@ class Commit:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
     finish: str | None = None
     drafted: int = 0  # how many of the leading tokens are accepted drafts (the rest: target's)
+    source: str = DRAFTER  # where those drafts came from: the drafter or a suffix copy
 
     def truncate(self, n: int, finish: str | None = None) -> Commit:
         top = None if self.top_logprobs is None else self.top_logprobs[:n]
         lps = self.logprobs and self.logprobs[:n]
-        return Commit(self.tokens[:n], lps, top, finish, min(self.drafted, n))
+        return Commit(self.tokens[:n], lps, top, finish, min(self.drafted, n), self.source)
 
 
 @dataclass
@@ -56,6 +73,7 @@ class _Cycle:
     taps: mx.array | None  # [1, B, L*H] tapped target features of the verify input
     size: int  # B, positions fed to the target
     logprobs: tuple[mx.array, mx.array | None, mx.array | None] | None = None  # per verify row
+    source: str = DRAFTER  # PLAIN, DRAFTER or SUFFIX
 
     def arrays(self) -> list[mx.array]:
         extra = [] if self.logprobs is None else [a for a in self.logprobs if a is not None]
@@ -68,6 +86,8 @@ class SpeculativeDecoder:
     ``policy`` picks each cycle's width: ``FixedBlock(B)``, or the "auto" ``BlockController``.
     ``logprobs`` (None, or the number of alternatives per token) adds log-probabilities to each
     commit; ``constraint`` restricts the target's distribution at every position (grammars).
+    ``suffix`` proposes copies from the context (it needs the "auto" controller, which may then
+    run without a drafter); the decoder feeds it the committed tokens.
     """
 
     def __init__(
@@ -83,9 +103,11 @@ class SpeculativeDecoder:
         constraint: TokenConstraint | None = None,
         prefix: PrefixStore | None = None,
         checkpoints: tuple[int, ...] = (),
+        suffix: SuffixProposer | None = None,
     ):
         self.target, self.draft, self.sampler = target, draft, sampler
-        self.policy = policy if draft is not None else FixedBlock(1)
+        self.suffix = suffix if isinstance(policy, BlockController) else None
+        self.policy = policy if draft is not None or self.suffix is not None else FixedBlock(1)
         self.prefill_step_size = prefill_step_size
         self.logprobs, self.constraint = logprobs, constraint
         self.cache = target.make_cache()
@@ -225,34 +247,33 @@ class SpeculativeDecoder:
         bonus = self.sampler.sample(logits)
         result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
         self._timed("plain", result)
-        return _Cycle(result, None, 1, self._logprobs(logits, bonus))
+        return _Cycle(result, None, 1, self._logprobs(logits, bonus), PLAIN)
 
-    def _queue_cycle(self, last: mx.array, size: int) -> _Cycle:
-        """Build (lazily) and start one cycle of ``size`` positions (1: a plain step)."""
+    def _queue_cycle(self, last: mx.array, choice: Choice) -> _Cycle:
+        """Build (lazily) and start one cycle of ``choice.size`` positions (1: a plain step)."""
+        size = choice.size
         with mx.stream(generation_stream):
             history = self._history_tail() if self.sampler.processors else None
             if size == 1:
                 cycle = self._plain_step(last, history)
                 mx.async_eval(*cycle.arrays())
                 return cycle
-            draft = cast(Drafter, self.draft)  # widths above 1 only come with a drafter
-            mask = mx.full((size - 1,), draft.config.mask_token_id, dtype=last.dtype)
-            block = mx.concatenate([last, mask])[None]
-            drafts, log_q = draft.propose(
-                block, self._take_context(), _ctx(self.draft_cache), self.sampler, history
-            )
-            if self.stats.timings is None:
-                # Start drafting now; the rollback and verify graphs are built while it runs
-                # (on Metal; on CPU async_eval returns once little work is left queued).
-                mx.async_eval(drafts, *([] if log_q is None else [log_q]))
-            self._timed("draft", drafts)
+            copied = choice.source == SUFFIX
+            path: list[int] | mx.array
+            if copied:  # a suffix copy: known on the host, no drafter pass
+                path = list(choice.tokens)
+                drafts, log_q = mx.array(path, dtype=mx.int32), None
+            else:
+                drafts, log_q = self._drafts(last, size, history)
+                # A constraint walks the drafted path on the host: one extra sync per cycle.
+                path = cast("list[int]", drafts.tolist()) if self.constraint is not None else drafts
             self._apply_rollback()
             verify_input = mx.concatenate([last, drafts.astype(last.dtype)])
             with self.rollback.recording():
                 logits, taps = self.target.forward(verify_input[None], self.cache, slice(None))
-            # A constraint walks the drafted path on the host: one extra sync per cycle.
-            path = cast("list[int]", drafts.tolist()) if self.constraint is not None else drafts
             logits = self._finish_rows(_rows(logits)[0], history, path)
+            if copied and not self.sampler.deterministic:
+                log_q = point_mass(drafts, logits.shape[-1])
             accepted, bonus = self.sampler.accept(logits, drafts, log_q)
             result = mx.concatenate(
                 [mx.stack([accepted, bonus]).astype(mx.int32), drafts.astype(mx.int32)]
@@ -264,9 +285,26 @@ class SpeculativeDecoder:
                 emitted = mx.where(mx.arange(size) == accepted, bonus, emitted)
                 logprobs = self._logprobs(logits, emitted)
             self._timed("verify", result, taps)
-        cycle = _Cycle(result, taps, size, logprobs)
+        cycle = _Cycle(result, taps, size, logprobs, choice.source)
         mx.async_eval(*cycle.arrays())
         return cycle
+
+    def _drafts(
+        self, last: mx.array, size: int, history: mx.array | None
+    ) -> tuple[mx.array, mx.array | None]:
+        """Start the drafter's pass over ``[last, mask, ...]``: (drafts, their log q)."""
+        draft = cast(Drafter, self.draft)  # drafter cycles only come with a drafter
+        mask = mx.full((size - 1,), draft.config.mask_token_id, dtype=last.dtype)
+        block = mx.concatenate([last, mask])[None]
+        drafts, log_q = draft.propose(
+            block, self._take_context(), _ctx(self.draft_cache), self.sampler, history
+        )
+        if self.stats.timings is None:
+            # Start drafting now; the rollback and verify graphs are built while it runs
+            # (on Metal; on CPU async_eval returns once little work is left queued).
+            mx.async_eval(drafts, *([] if log_q is None else [log_q]))
+        self._timed("draft", drafts)
+        return drafts, log_q
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -278,7 +316,8 @@ class SpeculativeDecoder:
         seconds = None if self._last_read is None else now - self._last_read
         self._last_read = now
         accepted, bonus = values[0], values[1]
-        commit = Commit([*values[2 : 2 + accepted], bonus])
+        source = SUFFIX if cycle.source == SUFFIX else DRAFTER
+        commit = Commit([*values[2 : 2 + accepted], bonus], drafted=accepted, source=source)
         if cycle.logprobs is not None:
             chosen, ids, top = (
                 None if a is None else cast(list, a.tolist()) for a in cycle.logprobs
@@ -290,8 +329,11 @@ class SpeculativeDecoder:
                     sorted(zip(i, v), key=lambda iv: -iv[1]) for i, v in zip(ids[:n], top[:n])
                 ]
         if not first:  # the prefill's token is no cycle
-            self.stats.record(cycle.size, accepted)
-            self.policy.observe(cycle.size, accepted, seconds)
+            self.stats.record(cycle.size, accepted, cycle.source)
+            if cycle.source == SUFFIX:
+                cast(BlockController, self.policy).observe(cycle.size, accepted, seconds, SUFFIX)
+            else:
+                self.policy.observe(cycle.size, accepted, seconds)
         if cycle.size > 1:
             self._pending = (accepted + 1, cycle.size)
             if self.draft is not None and cycle.taps is not None:
@@ -307,6 +349,15 @@ class SpeculativeDecoder:
         """
         if max_tokens <= 0:
             return
+        try:
+            yield from self._generate(prompt, max_tokens, eos_ids)
+        finally:  # also when the consumer stops early: the output so far joins the shared index
+            if self.suffix is not None:
+                self.suffix.finish()
+
+    def _generate(
+        self, prompt: list[int], max_tokens: int, eos_ids: set[int] | frozenset[int]
+    ) -> Iterator[Commit]:
         commit, last = self._read(self.prefill(prompt), first=True)
         produced = 0
         # Without penalties or constraints (which read the committed tokens on the host), the
@@ -315,25 +366,38 @@ class SpeculativeDecoder:
         # it early would run it inside the step's timing, misleading the "auto" cost model.
         lookahead = not self.sampler.processors and self.constraint is None
         queued: _Cycle | None = None
-        planned: int | None = None  # the width chosen during a lookahead, not yet queued
+        planned: Choice | None = None  # the choice made during a lookahead, not yet queued
         while True:
             commit = _terminate(commit, max_tokens - produced, eos_ids)
             produced += len(commit.tokens)
             self._history.extend(commit.tokens)
+            if self.suffix is not None:
+                self.suffix.extend(commit.tokens)
             if self.constraint is not None:
                 self.constraint.commit(commit.tokens)
             if commit.finish is not None:
                 yield commit
                 return
             room = max_tokens - produced
-            cycle = queued or self._queue_cycle(last, planned or self.policy.next_size(room))
+            cycle = queued or self._queue_cycle(last, planned or self._choose(room))
             yield commit
             queued = planned = None
-            if lookahead and cycle.size == 1 and room > 1:
-                planned = self.policy.next_size(room - 1)
-                if planned == 1:
-                    queued, planned = self._queue_cycle(cycle.result[1:2], 1), None
+            # A lookahead decides before the step's token is known: not while the suffix
+            # index matches (a copy starting at that token would be missed).
+            if lookahead and cycle.size == 1 and room > 1 and not self._copying():
+                planned = Choice.width(self.policy.next_size(room - 1))
+                if planned.size == 1:
+                    queued, planned = self._queue_cycle(cycle.result[1:2], planned), None
             commit, last = self._read(cycle)
+
+    def _choose(self, room: int) -> Choice:
+        if self.suffix is None:
+            return Choice.width(self.policy.next_size(room))
+        proposal = self.suffix.propose(room - 1)
+        return cast(BlockController, self.policy).choose(room, proposal)
+
+    def _copying(self) -> bool:
+        return self.suffix is not None and self.suffix.propose(1) is not None
 
 
 def _terminate(commit: Commit, room: int, eos_ids: set[int] | frozenset[int]) -> Commit:

@@ -6,11 +6,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+SOURCES = ("drafter", "suffix", "plain")  # where a cycle's tokens came from
+
 
 @dataclass
 class SpeculativeStats:
     """Counters of one request. ``tau`` is committed tokens per cycle (plain steps included);
-    ``block_size_histogram[B]`` counts cycles of ``B`` positions (1: plain steps, no drafter)."""
+    ``block_size_histogram[B]`` counts drafter cycles of ``B`` positions (1: plain steps, no
+    drafter), ``acceptance_histogram`` their accepted drafts; ``sources`` counts cycles,
+    committed tokens and the widest cycle by source (drafter, suffix copies, plain steps)."""
 
     block_size: int  # the widest block this request may use
     adaptive: bool = False  # block_size "auto": the controller picks each cycle's width
@@ -22,6 +26,9 @@ class SpeculativeStats:
     plain_tokens: int = 0  # tokens committed by plain steps
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     prefill_s: float = 0.0  # seconds until the first token
+    sources: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {s: {"cycles": 0, "tokens": 0, "widest": 0} for s in SOURCES}
+    )
     timings: dict[str, float] | None = None  # seconds per phase, only when profiling
     estimator: Callable[[], dict[str, Any] | None] | None = field(default=None, repr=False)
 
@@ -45,15 +52,21 @@ class SpeculativeStats:
         tokens = self.accepted + self.cycles
         return self.plain_tokens / tokens if tokens else 0.0
 
-    def record(self, size: int, accepted: int) -> None:
+    def record(self, size: int, accepted: int, source: str = "drafter") -> None:
         """One cycle of ``size`` positions (``size - 1`` drafts) kept ``accepted`` drafts."""
         self.cycles += 1
         self.drafted += size - 1
         self.accepted += accepted
-        self.acceptance_histogram[accepted] += 1
-        self.block_size_histogram[size] += 1
         if size == 1:
+            source = "plain"
             self.plain_tokens += 1
+        counts = self.sources[source]
+        counts["cycles"] += 1
+        counts["tokens"] += accepted + 1
+        counts["widest"] = max(counts["widest"], size)
+        if source != "suffix":  # suffix copies may be wider than the drafter's block
+            self.acceptance_histogram[accepted] += 1
+            self.block_size_histogram[size] += 1
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -67,6 +80,7 @@ class SpeculativeStats:
             "acceptance_histogram": list(self.acceptance_histogram),
             "block_size_histogram": list(self.block_size_histogram),
             "plain_share": round(self.plain_share, 4),
+            "sources": {s: dict(c) for s, c in self.sources.items()},
             "cached_tokens": self.cached_tokens,
             "prefill_s": round(self.prefill_s, 4),
         }
@@ -79,11 +93,14 @@ class SpeculativeStats:
 
     def summary(self) -> str:
         """The speculation part of the per-request log line."""
+        copied = self.sources["suffix"]
+        suffix = f", suffix {copied['tokens']} tokens in {copied['cycles']} cycles"
         if self.block_size <= 1:
-            return "plain decoding"
+            return "plain decoding" + (suffix if copied["cycles"] else "")
         used = ", ".join(f"{b}x{n}" for b, n in enumerate(self.block_size_histogram) if n and b > 0)
         policy = "auto" if self.adaptive else "fixed"
         text = f"tau {self.tau:.2f}, blocks ({policy}) {used or '-'}, plain {self.plain_share:.0%}"
+        text += suffix if copied["cycles"] else ""
         estimate = self.estimator() if self.estimator is not None else None
         if estimate:
             text += (

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_server.generation.controller import BlockController, FixedBlock
+from dflash_server.generation.controller import SUFFIX, BlockController, FixedBlock
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
 from dflash_server.generation.request import (
@@ -26,6 +26,7 @@ from dflash_server.generation.request import (
 )
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder, SpeculativeStats
+from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 from dflash_server.generation.text import TextStream, encode
 
@@ -49,8 +50,9 @@ class GenerationResponse:
         None  # per token: (id, logprob), best first
     )
     stop: str | None = None  # the stop string that ended generation (finish_reason "stop")
-    # Per token: its text and whether it was an accepted draft (else the target's own token).
-    sources: list[tuple[str, bool]] | None = None
+    # Per token: its text and source: "draft" (accepted drafter token), "suffix" (accepted
+    # suffix copy) or "target" (the target's own token).
+    sources: list[tuple[str, str]] | None = None
 
     @property
     def token(self) -> int | None:
@@ -72,9 +74,14 @@ def generate(
     cycle costs (``ModelPair.costs``: measured at load by the engine, else on first use).
     """
     draft = pair.draft if request.speculative else None
-    policy: FixedBlock | BlockController = FixedBlock(request.block.width if draft else 1)
-    if draft is not None and request.block.auto:
-        policy = BlockController(request.block.width, pair.costs().copy(), prior=pair.prior)
+    block = request.block
+    policy: FixedBlock | BlockController = FixedBlock(block.width if draft else 1)
+    suffix = None
+    if block.copies:
+        suffix = SuffixProposer(request.prompt, pair.suffix_index, block.suffix)
+    if (draft is not None and block.auto) or suffix is not None:
+        costs = pair.costs(block.suffix + 1 if suffix is not None else 0).copy()
+        policy = BlockController(block.width if draft else 1, costs, prior=pair.prior)
     target = pair.target if draft is not None else TargetModel(pair.model, ())
     tokenizer = pair.tokenizer
     constraint = None if request.constraint is None else request.constraint.build(tokenizer)
@@ -89,6 +96,7 @@ def generate(
         constraint=constraint,
         prefix=prefix,
         checkpoints=request.checkpoints,
+        suffix=suffix,
     )
     text = TextStream(tokenizer, request.stop)
     prompt = list(request.prompt)
@@ -104,6 +112,7 @@ def generate(
         segment, kept, finish = text.feed(commit)
         n += kept
         kept_commit = commit.truncate(kept)
+        drafted_as = "suffix" if commit.source == SUFFIX else "draft"
         yield GenerationResponse(
             text=segment,
             tokens=kept_commit.tokens,
@@ -118,7 +127,10 @@ def generate(
             logprobs=kept_commit.logprobs,
             top_logprobs=kept_commit.top_logprobs,
             stop=text.hit,
-            sources=[(piece, j < kept_commit.drafted) for j, piece in enumerate(text.pieces)],
+            sources=[
+                (piece, drafted_as if j < kept_commit.drafted else "target")
+                for j, piece in enumerate(text.pieces)
+            ],
         )
         if finish is not None:
             return
@@ -146,6 +158,7 @@ def stream_generate(
     logprobs: int | None = None,
     constraint: TokenConstraint | None = None,
     profile: bool = False,
+    suffix: int = 0,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding (``draft=None``: plain decoding).
 
@@ -156,6 +169,8 @@ def stream_generate(
     ``constraint`` (a grammar matcher, see ``TokenConstraint``) restricts every position.
     ``block_size``: None (as the reference) verifies the drafter's trained block every cycle, a
     number that many positions, ``"auto"`` lets the controller pick 1..trained per cycle.
+    ``suffix=n`` (with ``"auto"`` or ``draft=None``) lets it also verify up to n tokens copied
+    from the prompt, the output so far and the pair's recent outputs (suffix drafts).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -171,7 +186,7 @@ def stream_generate(
         sampling=sampling,
         seed=seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        block=block_policy(draft, block_size),
+        block=replace(block_policy(draft, block_size), suffix=suffix),
         logprobs=logprobs,
         constraint=None if constraint is None else Prebuilt(constraint),
         sampler=sampler,

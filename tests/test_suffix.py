@@ -1,0 +1,193 @@
+"""Suffix drafts: the index's proposals, and exactness (greedy ids, sampling law, constraints)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_server.generation.controller import BlockController
+from dflash_server.generation.costs import CostModel
+from dflash_server.generation.sampling import SamplingParams, TokenSampler, point_mass
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.suffix import SharedSuffixIndex, SuffixProposer, TokenIndex
+from dflash_server.generation.target import TargetModel
+from dflash_server.testing import random_drafter
+from test_logprobs_constraints import NoMultipleOfThree
+from test_sampling import total_variation, tv_tolerance
+
+N = 60
+REPEATED = "def add(a, b):\n    return a + b\n\n" * 3 + "def add("
+
+
+def cheap_verify() -> CostModel:
+    """Verify cost barely grows with width: every proposal is worth verifying."""
+    verify = {1: 1.0, 2: 1.01, 16: 1.1, 64: 1.3}
+    return CostModel(plain=1.0, verify=verify, draft={2: 0.5, 16: 0.5}, refine=False)
+
+
+def plain(model: Any, ids: list[int], n: int = N, processors: Any = None) -> list[int]:
+    steps = generate_step(mx.array(ids), model, max_tokens=n, logits_processors=processors)
+    return [t for t, _ in steps]
+
+
+def copy_decode(
+    model: Any,
+    ids: list[int],
+    n: int = N,
+    *,
+    draft: Any = None,
+    shared: SharedSuffixIndex | None = None,
+    params: SamplingParams | None = None,
+    seed: int = 0,
+    constraint: Any = None,
+) -> tuple[list[int], Any]:
+    target = TargetModel(model, draft.config.target_layer_ids if draft is not None else ())
+    policy = BlockController(16 if draft is not None else 1, cheap_verify())
+    decoder = SpeculativeDecoder(
+        target,
+        draft,
+        TokenSampler(params or SamplingParams(), seed),
+        policy,
+        constraint=constraint,
+        suffix=SuffixProposer(ids, shared, max_tokens=48),
+    )
+    tokens = [t for commit in decoder.generate(ids, n) for t in commit.tokens]
+    return tokens, decoder.stats
+
+
+# -- the index ----------------------------------------------------------------------------------
+
+
+def test_proposes_the_most_frequent_continuation_of_the_longest_match():
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 0, 0]
+    first = SuffixProposer(tokens + [1, 2, 3]).propose()  # "1 2 3" twice: at 0 and 5
+    assert first is not None and first.match == 3 and first.tokens[0] in (4, 5)
+    tokens = [8, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3, 5, 1]  # "2 3" -> 5 twice, -> 4 once
+    second = SuffixProposer(tokens + [7, 2, 3]).propose(4)
+    assert second is not None and second.match == 2 and second.tokens[0] == 5
+    assert second.confidence[0] == pytest.approx(2 / 3 * 2 / 3)  # 2 of 3 votes, match 2
+    longest = SuffixProposer(tokens + [8, 2, 3]).propose()  # "8 2 3": only the 4 follows it
+    assert longest is not None and longest.match == 3 and longest.tokens[:3] == [4, 9, 2]
+    assert SuffixProposer([1, 2, 3, 4]).propose() is None  # nothing repeats
+
+
+def test_index_extends_incrementally_and_the_shared_index_stays_in_budget():
+    index = TokenIndex([5, 6])
+    index.extend([7, 5, 6])
+    assert index.follows[(5, 6)] == [2, 5]
+    shared = SharedSuffixIndex(budget_bytes=72 * 25)
+    for start in range(0, 40, 10):
+        shared.add(list(range(start, start + 10)))
+    assert len(shared.entries) == 2 and shared.bytes <= shared.budget  # the oldest went
+    proposer = SuffixProposer([99, 31, 32], shared, max_tokens=4)
+    assert proposer.propose() == proposer.propose() is not None
+    assert proposer.propose().tokens == [33, 34, 35, 36]  # type: ignore[union-attr]
+    proposer.extend([33])
+    proposer.finish()  # its output (one token) is too short to index
+    assert len(shared.entries) == 2
+
+
+# -- exactness ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["tiny_hybrid", "tiny_attn"])
+def target(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(request.param)
+
+
+def test_greedy_copies_equal_plain_decoding(target: Any) -> None:
+    """Prompts that repeat a block; then the same prompt again (its earlier output is in the
+    shared index: long copies, wider than the drafter's block), a corrupted earlier output (every
+    acceptance length), and copies next to a drafter."""
+    model, tokenizer = target
+    ids = tokenizer.encode(REPEATED)
+    reference = plain(model, ids)
+    shared = SharedSuffixIndex(1 << 20)
+    tokens, _ = copy_decode(model, ids, shared=shared)
+    assert tokens == reference
+    tokens, stats = copy_decode(model, ids, shared=shared)
+    assert tokens == reference
+    copied = stats.sources["suffix"]
+    assert copied["widest"] > 16 and copied["tokens"] > N // 2  # wider than a drafter block
+    corrupted = SharedSuffixIndex(1 << 20)
+    corrupted.add([t + 1 if i % 7 == 6 else t for i, t in enumerate(reference)])
+    tokens, stats = copy_decode(model, ids, shared=corrupted)
+    assert tokens == reference and stats.sources["suffix"]["tokens"] > 0
+    tokens, stats = copy_decode(model, ids, draft=random_drafter(model), shared=shared)
+    assert tokens == reference and stats.sources["suffix"]["cycles"] > 0
+
+
+def test_constrained_copies_equal_plain_decoding(tiny_attn: Any) -> None:
+    model, tokenizer = tiny_attn
+    ids = tokenizer.encode(REPEATED)
+    vocab = model.model.embed_tokens.weight.shape[0]
+    rule = NoMultipleOfThree(vocab, ids[-1])
+
+    def processor(history: mx.array, logits: mx.array) -> mx.array:
+        return mx.where(rule.row(history[-1].item())[None], logits, -mx.inf)
+
+    reference = plain(model, ids, N, [processor])
+    shared = SharedSuffixIndex(1 << 20)
+    shared.add(reference)
+    for _ in range(2):
+        constraint = NoMultipleOfThree(vocab, ids[-1])
+        tokens, stats = copy_decode(model, ids, shared=shared, constraint=constraint)
+        assert tokens == reference and stats.sources["suffix"]["tokens"] > 0
+        shared.add([t + 1 if i % 5 == 4 else t for i, t in enumerate(reference)])
+
+
+def test_point_mass_acceptance_reproduces_the_target_distribution():
+    """A proposal with q = 1 on its token: kept with p(token), else resampled from p without it."""
+    probs = [[0.5, 0.3, 0.15, 0.05, 0.0], [0.1, 0.2, 0.3, 0.2, 0.2]]
+    p = mx.log(mx.array(probs) + 1e-30)
+    sampler = TokenSampler(SamplingParams(temperature=1.0), seed=1)
+    n = 4000
+    for proposed in (0, 3, 4):
+        drafts = mx.array([proposed])
+        log_q = point_mass(drafts, 5)
+        counts: Counter = Counter()
+        for _ in range(n):
+            accepted, bonus = sampler.accept(p, drafts, log_q)
+            counts[proposed if accepted.item() else int(bonus.item())] += 1
+        assert counts[4] == 0
+        want = dict(enumerate(probs[0]))
+        assert total_variation(counts, want, n) < tv_tolerance(4, n)
+
+
+def test_sampled_copies_follow_the_target_law(tiny_hybrid: Any) -> None:
+    """Joint law of the first 3 tokens when every cycle verifies a copy of the likeliest path."""
+    model, tokenizer = tiny_hybrid
+    prompt = tokenizer.encode("The quick brown")
+    params = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
+    target = TargetModel(model, ())
+
+    def law(prefix: list[int]) -> dict[int, float]:
+        sampler = TokenSampler(params)
+        logits = target.forward(
+            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
+        )[0]
+        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
+        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
+        return {i: v for i, v in enumerate(probs) if v > 0}
+
+    exact: dict[tuple[int, ...], float] = {}
+    for t0, p0 in law([]).items():
+        for t1, p1 in law([t0]).items():
+            for t2, p2 in law([t0, t1]).items():
+                exact[(t0, t1, t2)] = p0 * p1 * p2
+    best = max(exact, key=exact.__getitem__)
+    shared = SharedSuffixIndex(1 << 20)
+    for t0 in law([]):  # whichever t0 comes first, a copy of the likeliest rest follows it
+        shared.add([prompt[-1], t0, *best[1:], 0])
+    n, counts = 600, Counter()
+    copied = 0
+    for seed in range(n):
+        tokens, stats = copy_decode(model, prompt, 3, shared=shared, params=params, seed=seed)
+        counts[tuple(tokens)] += 1
+        copied += stats.sources["suffix"]["cycles"]
+    assert copied > n // 2  # most runs verified a copy
+    assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)
