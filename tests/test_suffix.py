@@ -9,10 +9,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from dflash_server.chat.budget import Budgeted
 from dflash_server.generation.controller import BlockController
 from dflash_server.generation.costs import CostModel
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.sampling import SamplingParams, TokenSampler, point_mass
 from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.stream import generate
 from dflash_server.generation.suffix import SharedSuffixIndex, SuffixProposer, TokenIndex
 from dflash_server.generation.target import TargetModel
 from dflash_server.testing import random_drafter
@@ -64,13 +68,13 @@ def copy_decode(
 
 def test_proposes_the_most_frequent_continuation_of_the_longest_match():
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 0, 0]
-    first = SuffixProposer(tokens + [1, 2, 3]).propose()  # "1 2 3" twice: at 0 and 5
+    first = SuffixProposer([*tokens, 1, 2, 3]).propose()  # "1 2 3" twice: at 0 and 5
     assert first is not None and first.match == 3 and first.tokens[0] in (4, 5)
     tokens = [8, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3, 5, 1]  # "2 3" -> 5 twice, -> 4 once
-    second = SuffixProposer(tokens + [7, 2, 3]).propose(4)
+    second = SuffixProposer([*tokens, 7, 2, 3]).propose(4)
     assert second is not None and second.match == 2 and second.tokens[0] == 5
     assert second.confidence[0] == pytest.approx(2 / 3 * 2 / 3)  # 2 of 3 votes, match 2
-    longest = SuffixProposer(tokens + [8, 2, 3]).propose()  # "8 2 3": only the 4 follows it
+    longest = SuffixProposer([*tokens, 8, 2, 3]).propose()  # "8 2 3": only the 4 follows it
     assert longest is not None and longest.match == 3 and longest.tokens[:3] == [4, 9, 2]
     assert SuffixProposer([1, 2, 3, 4]).propose() is None  # nothing repeats
 
@@ -191,3 +195,35 @@ def test_sampled_copies_follow_the_target_law(tiny_hybrid: Any) -> None:
         copied += stats.sources["suffix"]["cycles"]
     assert copied > n // 2  # most runs verified a copy
     assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_copies_are_exact_under_a_thinking_budget(tiny_hybrid: Any, with_drafter: bool) -> None:
+    """Through ``generate`` with the pair's measured costs (verify-only widths calibrated at
+    first use, with and without a drafter); the budget's forced token may be copied too."""
+    model, tokenizer = tiny_hybrid
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Is it sunny?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=True,
+    )
+    prompt, end = tokenizer.encode(text), tokenizer.think_end_id
+    rows = model.language_model.model.embed_tokens.weight.shape[0]
+    spec = Budgeted(10, end, rows, None)
+
+    def run(draft: Any, block: BlockPolicy) -> tuple[list[int], Any]:
+        request = GenerationRequest(tuple(prompt), 40, block=block, constraint=spec)
+        out = list(generate(ModelPair.of(model, tokenizer, draft), request))
+        return [t for r in out for t in r.tokens], out[-1].stats
+
+    reference, _ = run(None, BlockPolicy(1))
+    assert reference.index(end) == 10
+    draft = random_drafter(model, block_size=8) if with_drafter else None
+    block = BlockPolicy(8, auto=True, suffix=32) if with_drafter else BlockPolicy(1, suffix=32)
+    pair = ModelPair.of(model, tokenizer, draft)
+    pair.suffix_index.add([prompt[-1], *reference])
+    tokens, stats = run(draft, block)
+    assert tokens == reference
+    assert stats.sources["suffix"]["tokens"] > 10
+    assert max(pair.costs().verify) >= 33  # measured up to the widest copy

@@ -212,6 +212,17 @@ class Settings(BaseSettings, _SamplingDefaults):
         "(default: the config's sliding_window_size, else 4096; 0: the whole context)",
     )
     speculative: bool = Field(True, description="draft with DFlash (off: plain decoding)")
+    suffix_drafts: bool = Field(
+        True,
+        description="also verify tokens copied from the context and recent outputs when that "
+        "pays (block size 'auto', or no drafter)",
+    )
+    suffix_max_tokens: int = Field(
+        32, ge=1, le=256, description="most tokens one suffix copy may verify"
+    )
+    suffix_cache_bytes: int = Field(
+        64 * 1024**2, ge=0, description="memory for the index of recent outputs suffix drafts copy"
+    )
     max_tokens: int | None = Field(
         None, gt=0, description="output cap when a request sets none (default: context limit)"
     )

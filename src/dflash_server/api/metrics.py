@@ -3,7 +3,8 @@
 Requests are counted by endpoint and status by an ASGI middleware (which also names each
 request: the client's ``x-request-id`` when it is a plain token, else a new one). Generation
 metrics come from the jobs themselves: ``MeteredJob`` records its events as the engine's worker
-emits them (time to first token, per-token latency, tokens, tau and acceptance, outcome), and
+emits them (time to first token, per-token latency, tokens, tau and acceptance, cycles and
+tokens by source, outcome), and
 queue depth, active requests and the prefix cache's counters are read at each scrape. Each app
 has its own registry, so several servers in one process (tests) do not share counters.
 """
@@ -146,6 +147,18 @@ class Metrics:
             buckets=_SIZES,
             registry=r,
         )
+        self.source_cycles = Counter(
+            "dflash_cycles",
+            "target passes by where their drafts came from (drafter, suffix copy, plain step)",
+            ["source"],
+            registry=r,
+        )
+        self.source_tokens = Counter(
+            "dflash_committed_tokens",
+            "tokens committed by the source of the cycle that committed them",
+            ["source"],
+            registry=r,
+        )
         waiting = Gauge("dflash_queue_depth", "requests waiting for an active slot", registry=r)
         waiting.set_function(lambda: max(0, engine.queue_depth - engine.active))
         active = Gauge("dflash_active_requests", "requests generating now", registry=r)
@@ -168,6 +181,9 @@ class Metrics:
             self.queue_wait.observe(done.timings.queue_wait_s)
         self.block_size.observe(done.block_size)
         stats = done.stats
+        for source, counts in ({} if stats is None else stats.sources).items():
+            self.source_cycles.labels(source).inc(counts["cycles"])
+            self.source_tokens.labels(source).inc(counts["tokens"])
         if done.speculative and stats is not None and stats.cycles:
             self.tau.observe(stats.tau)
             self.acceptance.observe(stats.acceptance_rate)

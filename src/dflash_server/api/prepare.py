@@ -79,13 +79,17 @@ def _block_policy(req: SamplingFields, settings: Settings, draft: Drafter | None
     if not speculative:
         return PLAIN
     if req.block_size is None:
-        return block_policy(draft, settings.block_size, clamp=True)
-    if draft is None:
+        policy = block_policy(draft, settings.block_size, clamp=True)
+    elif draft is None:
         raise APIError(400, "no drafter is loaded, block_size cannot apply", param="block_size")
-    try:
-        return block_policy(draft, req.block_size)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="block_size", code="invalid_value") from exc
+    else:
+        try:
+            policy = block_policy(draft, req.block_size)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="block_size", code="invalid_value") from exc
+    if settings.suffix_drafts and (policy.auto or draft is None):
+        policy = replace(policy, suffix=settings.suffix_max_tokens)
+    return policy
 
 
 def _request(
@@ -115,10 +119,10 @@ def _request(
     block = _block_policy(req, settings, engine.models.pair.draft)
     params = SamplingParams(**(defaults | {k: v for k, v in sampling.items() if v is not None}))
     seed = None if req.seed == -1 else req.seed
-    if block.auto and seed is not None and not params.greedy:
+    if (block.auto or block.suffix) and seed is not None and not params.greedy:
         # A seed must reproduce the answer: auto's widths follow timings and the random draws
-        # follow the widths, so seeded sampling verifies a fixed block.
-        block = replace(block, auto=False)
+        # follow the widths, so seeded sampling verifies a fixed block (and copies nothing).
+        block = replace(block, auto=False, suffix=0)
     return GenerationRequest(
         prompt=tuple(prompt.tokens),
         max_tokens=min(limit, room),

@@ -80,7 +80,8 @@ class SamplingFields(_SamplingOverrides):
     )
     speculative: bool | None = Field(None, description="false: plain decoding, no drafter")
     dflash_tokens: bool | None = Field(
-        None, description="streams: each chunk lists its tokens' texts and sources (draft/target)"
+        None,
+        description="streams: each chunk lists its tokens' texts and sources (draft/suffix/target)",
     )
 
     @field_validator("stop")

@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.models.hooks import HookError
 from dflash_server.models.loading import flat_arrays, load, load_draft
 from dflash_server.models.window import DEFAULT_WINDOW, SINKS, default_window
@@ -149,6 +150,8 @@ def load_models(
     draft_label: str | None = None,
     draft_window: int | None = None,
     measure: bool = True,
+    suffix_tokens: int = 0,
+    suffix_cache_bytes: int | None = None,
 ) -> LoadedModels:
     """Load target (+ drafter, bound to it). Runs on the engine's worker thread: it is MLX work.
 
@@ -156,7 +159,9 @@ def load_models(
     CLI already resolved them to cache folders) are what the logs and /health show.
     ``draft_window``: the drafter's context window (None: its config's, else
     ``DEFAULT_WINDOW``; 0: the whole context). ``measure``: time the cycle costs that
-    ``block_size: "auto"`` decides by (a second or two), now rather than at the first request.
+    ``block_size: "auto"`` decides by (a second or two), now rather than at the first request;
+    ``suffix_tokens``: suffix copies of up to so many tokens will run (their verify widths are
+    measured too, with no drafter as well); ``suffix_cache_bytes``: their shared index's budget.
     """
     target_label, draft_label = target_label or target, draft_label or draft
     target_path = resolve_model(target, "target", TARGET_PATTERNS)
@@ -200,7 +205,11 @@ def load_models(
         summary.target_layer_ids = list(drafter.config.target_layer_ids)
         summary.draft_window = drafter.set_window(draft_window)
         if measure:
-            summary.cycle_costs = pair.costs().describe()
+            summary.cycle_costs = pair.costs(suffix_tokens + 1 if suffix_tokens else 0).describe()
+    elif measure and suffix_tokens:
+        summary.cycle_costs = pair.costs(suffix_tokens + 1).describe()
+    if suffix_cache_bytes is not None:
+        pair.suffix_index = SharedSuffixIndex(suffix_cache_bytes)
     summary.active_memory_gb = round(mx.get_active_memory() / 1e9, 4)
     return LoadedModels(pair, summary)
 
@@ -249,6 +258,8 @@ def describe(summary: ModelSummary) -> str:
             lines.append(s.cycle_costs)
     else:
         lines.append("no drafter: plain (non-speculative) decoding")
+        if s.cycle_costs:  # suffix copies still run: verify-only cycles
+            lines.append(s.cycle_costs)
     lines.append(f"MLX active memory after load: {_size(s.active_memory_gb)}")
     return "\n".join(lines)
 

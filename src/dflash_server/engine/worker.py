@@ -302,7 +302,7 @@ class Engine:
             peak_memory_gb=round(float(last.peak_memory), 3),
         )
         speculation = "plain decoding"
-        if request.speculative and last.stats is not None:
+        if (request.speculative or request.block.copies) and last.stats is not None:
             speculation = last.stats.summary()  # tau, block sizes used, plain share, estimate
         log.info(
             "request: %d prompt (%s) + %d output tokens (%s), %.1f tok/s, %s",

@@ -138,7 +138,7 @@ function requestBody() {
     messages: history,
     stream: true,
     stream_options: { include_usage: true },
-    dflash_tokens: true, // our stream extension: each token's text and source (draft/target)
+    dflash_tokens: true, // our stream extension: each token's text and source (draft/suffix/target)
     temperature: Number($("temperature").value),
     chat_template_kwargs: { enable_thinking: $("thinking").checked },
   };

@@ -35,16 +35,17 @@ function toolCallsHtml(msg) {
 }
 
 // The `dflash_tokens` stream extension (requested with `dflash_tokens: true`): chunks carry
-// `dflash_tokens: [{"text": "...", "source": "draft" | "target"}, ...]`, one entry per committed
-// token, saying whether it was an accepted draft token or the target's own. The answer's tokens
-// are shown again below it, tinted by source. Nothing else depends on it.
+// `dflash_tokens: [{"text": "...", "source": "draft" | "suffix" | "target"}, ...]`, one entry per
+// committed token, saying whether it was an accepted drafter token, an accepted copy from the
+// context (suffix drafts) or the target's own. The answer's tokens are shown again below it,
+// tinted by source. Nothing else depends on it.
 function tokensHtml(msg) {
   if (!msg.tokens || !msg.tokens.length) return "";
   const spans = msg.tokens.map((t) => {
-    const source = t.source === "draft" ? "draft" : "target";
+    const source = t.source === "draft" || t.source === "suffix" ? t.source : "target";
     return `<span class="tok ${source}" title="${source}">${escapeHtml(t.text)}</span>`;
   });
-  return `<p class="tokens" aria-label="Tokens by source: accepted draft or target">${spans.join("")}</p>`;
+  return `<p class="tokens" aria-label="Tokens by source: accepted draft, copied (suffix) or target">${spans.join("")}</p>`;
 }
 
 function noticeHtml(msg) {
