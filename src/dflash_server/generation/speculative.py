@@ -249,8 +249,11 @@ class SpeculativeDecoder:
         self._timed("plain", result)
         return _Cycle(result, None, 1, self._logprobs(logits, bonus), PLAIN)
 
-    def _queue_cycle(self, last: mx.array, choice: Choice) -> _Cycle:
-        """Build (lazily) and start one cycle of ``choice.size`` positions (1: a plain step)."""
+    def _queue_cycle(self, last: mx.array, choice: Choice | int) -> _Cycle:
+        """Build (lazily) and start one cycle of ``choice.size`` positions (1: a plain step);
+        a bare width means the drafter's block of that width."""
+        if isinstance(choice, int):
+            choice = Choice.width(choice)
         size = choice.size
         with mx.stream(generation_stream):
             history = self._history_tail() if self.sampler.processors else None

@@ -1,0 +1,275 @@
+"""Suffix drafts vs DFlash alone vs plain decoding, on a workload that copies and one that does not.
+
+Small random targets never copy, so the setup step trains a tiny attention target (the offline
+test builders' tokenizer and architecture, a short MLX training loop, cached under ``--cache``)
+on synthetic code-like text mixed with repeat-and-edit tasks ("<block> # now repeat it with X
+renamed to Y" followed by the edited copy), and reports how much of the expected copy its greedy
+output reproduces. Then, per workload, tokens per target pass and decode tok/s for: plain
+decoding, DFlash alone (a random drafter: no trained drafter fits this target; ``auto`` block
+size), suffix drafts alone (no drafter), and both. Rounds are interleaved and medians reported;
+greedy outputs of every mode must equal plain decoding's.
+
+* copy: the held-out repeat-and-edit prompts (greedy): the answer is mostly in the prompt;
+* fresh: a new function header, sampled at temperature 1 (nothing in the context to copy).
+
+    /work/bin/wt-py benchmarks/bench_suffix.py --json /tmp/bench_suffix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+
+from dflash_server import load
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
+from dflash_server.generation.sampling import SamplingParams
+from dflash_server.generation.stream import generate
+from dflash_server.testing import build_target, random_drafter
+
+NAMES = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "count",
+    "total",
+    "value",
+    "index",
+    "item",
+    "result",
+    "data",
+    "size",
+    "left",
+    "right",
+    "node",
+    "key",
+    "name",
+    "path",
+    "line",
+    "text",
+    "user",
+    "items",
+    "start",
+    "end",
+    "step",
+    "limit",
+    "buffer",
+    "offset",
+    "width",
+    "height",
+]
+LINES = (
+    "    {v} = {a} + {b}\n",
+    "    {v} = {a} * {n}\n",
+    "    if {a} > {b}:\n        {v} = {a} - {b}\n",
+    "    for {v} in range({a}):\n        {b} += {v}\n",
+    "    {a}.append({b})\n",
+    "    print({a}, {b})\n",
+    "    {v} = {f}({a}, {n})\n",
+    "    while {a} < {n}:\n        {a} += {b}\n",
+)
+
+
+def block(rng: random.Random) -> tuple[str, list[str]]:
+    """A small random function and the identifiers it uses."""
+    f, a, b, v = rng.sample(NAMES, 4)
+    body = "".join(
+        rng.choice(LINES).format(a=a, b=b, v=v, f=f, n=rng.randint(1, 99))
+        for _ in range(rng.randint(3, 5))
+    )
+    return f"def {f}({a}, {b}):\n{body}    return {v}\n", [f, a, b, v]
+
+
+def repeat_task(rng: random.Random) -> tuple[str, str]:
+    """(prompt, expected answer): a block, then the instruction to repeat it with a rename."""
+    code, used = block(rng)
+    old = rng.choice(used)
+    new = rng.choice([n for n in NAMES if n not in used])
+    answer = re.sub(rf"\b{old}\b", new, code)
+    return f"{code}# now repeat it with {old} renamed to {new}\n", answer
+
+
+def corpus_text(rng: random.Random) -> str:
+    if rng.random() < 0.7:
+        prompt, answer = repeat_task(rng)
+        return prompt + answer + "\n"
+    return block(rng)[0] + "\n"
+
+
+# -- setup: train a target that copies ----------------------------------------------------------
+
+
+def train_target(cache: Path, steps: int, hidden: int, layers: int, seq: int, batch: int) -> Path:
+    """Build and train the tiny target once; later runs reuse ``cache``."""
+    done = cache / "trained.json"
+    spec = {"steps": steps, "hidden": hidden, "layers": layers, "seq": seq, "batch": batch}
+    if done.exists() and json.loads(done.read_text()).get("spec") == spec:
+        return cache
+    from mlx_lm.utils import save_model
+
+    build_target(cache, arch="qwen3", hidden_size=hidden, num_hidden_layers=layers, seed=1)
+    model, tokenizer = load(str(cache))
+    rng = random.Random(0)
+    stream: list[int] = []
+
+    def batch_tokens() -> mx.array:
+        rows = []
+        for _ in range(batch):
+            while len(stream) < seq + 1:
+                stream.extend(tokenizer.encode(corpus_text(rng)))
+            rows.append(stream[: seq + 1])
+            del stream[: seq + 1]
+        return mx.array(rows)
+
+    def loss_fn(model: nn.Module, x: mx.array) -> mx.array:
+        logits = model(x[:, :-1])
+        return nn.losses.cross_entropy(logits, x[:, 1:]).mean()
+
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-4, 3e-3, 50), optim.cosine_decay(3e-3, steps, 3e-4)], [50]
+    )
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+    step_fn = nn.value_and_grad(model, loss_fn)
+    start, losses = time.perf_counter(), []
+    for step in range(steps):
+        loss, grads = step_fn(model, batch_tokens())
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, loss)
+        losses.append(loss.item())
+        if step % 100 == 0 or step == steps - 1:
+            print(f"  step {step}: loss {statistics.mean(losses[-50:]):.3f}", flush=True)
+    save_model(cache, model)
+    seconds = round(time.perf_counter() - start, 1)
+    done.write_text(json.dumps({"spec": spec, "train_s": seconds, "loss": losses[-1]}))
+    return cache
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+def run(pair: ModelPair, prompt: list[int], n: int, block: BlockPolicy, params: SamplingParams):
+    request = GenerationRequest(tuple(prompt), n, sampling=params, block=block)
+    start, tokens, stats, first = time.perf_counter(), [], None, None
+    for i, r in enumerate(generate(pair, request)):
+        tokens += r.tokens
+        stats = r.stats
+        if i == 0:
+            first = time.perf_counter()
+    assert stats is not None and first is not None
+    seconds = time.perf_counter() - first
+    return tokens, {
+        "tokens_per_pass": (len(tokens) - 1) / max(stats.cycles, 1),
+        "tok_s": (len(tokens) - 1) / seconds,
+        "sources": {s: dict(c) for s, c in stats.sources.items()},
+        "wall_s": seconds + (first - start),
+    }
+
+
+def copy_rate(model: Any, tokenizer: Any, tasks: list[tuple[str, str]]) -> float:
+    """Share of the expected answers' tokens that greedy output reproduces before it diverges."""
+    pair = ModelPair.of(model, tokenizer, None)
+    got = want = 0
+    for prompt, answer in tasks:
+        expected = tokenizer.encode(answer)
+        out, _ = run(pair, tokenizer.encode(prompt), len(expected), BlockPolicy(1), GREEDY)
+        same = next((i for i, (a, b) in enumerate(zip(out, expected)) if a != b), len(expected))
+        got, want = got + same, want + len(expected)
+    return got / want
+
+
+GREEDY = SamplingParams()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cache", default="/tmp/dflash_bench_suffix")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=192)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--suffix", type=int, default=32)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    path = train_target(
+        Path(args.cache), args.steps, args.hidden, args.layers, args.seq, args.batch
+    )
+    setup = json.loads((path / "trained.json").read_text())
+    model, tokenizer = load(str(path))
+    rng = random.Random(12345)  # held out: training used seed 0
+    tasks = [repeat_task(rng) for _ in range(args.prompts)]
+    rate = copy_rate(model, tokenizer, tasks)
+    print(f"setup {time.perf_counter() - t0:.1f} s (training {setup['train_s']} s); "
+          f"greedy copy rate on held-out tasks: {rate:.1%}", flush=True)  # fmt: skip
+
+    draft = random_drafter(model, block_size=16)
+    pairs = {"plain": ModelPair.of(model, tokenizer, None)}
+    pairs["dflash"] = pairs["both"] = ModelPair.of(model, tokenizer, draft)
+    pairs["suffix"] = pairs["plain"]
+    blocks = {
+        "plain": BlockPolicy(1),
+        "dflash": BlockPolicy(16, auto=True),
+        "suffix": BlockPolicy(1, suffix=args.suffix),
+        "both": BlockPolicy(16, auto=True, suffix=args.suffix),
+    }
+    for p in set(map(id, pairs.values())):
+        pair = next(q for q in pairs.values() if id(q) == p)
+        print(pair.costs(args.suffix + 1).describe(), flush=True)
+    fresh_rng = random.Random(999)
+    workloads = {
+        "copy": ([tokenizer.encode(p) for p, _ in tasks], GREEDY),
+        "fresh": (
+            [tokenizer.encode(f"def {a}({b}, {c}):\n") for a, b, c in
+             (fresh_rng.sample(NAMES, 3) for _ in range(args.prompts))],
+            SamplingParams(temperature=1.0),
+        ),
+    }  # fmt: skip
+    report: dict[str, Any] = {"setup": setup, "copy_rate": round(rate, 4), "workloads": {}}
+    for name, (prompts, params) in workloads.items():
+        results: dict[str, list[dict]] = {m: [] for m in blocks}
+        for _ in range(args.rounds):
+            for prompt in prompts:
+                reference = None
+                for mode, block in blocks.items():
+                    out, res = run(pairs[mode], prompt, args.tokens, block, params)
+                    if params.greedy:
+                        reference = reference or out
+                        assert out == reference, f"{mode} changed the greedy output"
+                    results[mode].append(res)
+        summary = {}
+        for mode, rows in results.items():
+            tokens = sum(r["sources"][s]["tokens"] for r in rows for s in r["sources"])
+            summary[mode] = {
+                "tokens_per_pass": round(statistics.median(r["tokens_per_pass"] for r in rows), 3),
+                "tok_s": round(statistics.median(r["tok_s"] for r in rows), 1),
+                "suffix_token_share": round(
+                    sum(r["sources"]["suffix"]["tokens"] for r in rows) / max(tokens, 1), 3
+                ),
+            }
+        for mode in ("suffix", "both"):
+            ratio = summary[mode]["tok_s"] / summary["dflash"]["tok_s"]
+            summary[mode]["vs_dflash"] = round(ratio, 3)
+        report["workloads"][name] = summary
+        print(name, json.dumps(summary, indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
