@@ -443,8 +443,12 @@ def test_dflash_tokens_stream_extension(tiny_hybrid_path: Path, draft_path: Path
     body = {**CHAT, "stream": True, "max_tokens": 24, "dflash_tokens": True}
     body["stream_options"] = {"include_usage": True}
     with run_server(app) as srv:
-        with httpx.stream("POST", f"{srv.base_url}/v1/chat/completions", json=body) as r:
-            chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        runs = []
+        for _ in range(2):  # the second answer can copy the first (the shared suffix index)
+            with httpx.stream("POST", f"{srv.base_url}/v1/chat/completions", json=body) as r:
+                runs.append(
+                    [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+                )
         plain = httpx.post(
             f"{srv.base_url}/v1/completions",
             json={
@@ -455,11 +459,15 @@ def test_dflash_tokens_stream_extension(tiny_hybrid_path: Path, draft_path: Path
                 "dflash_tokens": True,
             },
         )
-    tokens = [t for c in chunks for t in c.get("dflash_tokens", [])]
-    assert len(tokens) == chunks[-1]["usage"]["completion_tokens"]
-    assert {t["source"] for t in tokens} <= {"draft", "target"}
-    stats = next(c["dflash"] for c in chunks if "dflash" in c)
-    assert sum(t["source"] == "draft" for t in tokens) == stats["accepted"]
+    for chunks in runs:
+        tokens = [t for c in chunks for t in c.get("dflash_tokens", [])]
+        assert len(tokens) == chunks[-1]["usage"]["completion_tokens"]
+        assert {t["source"] for t in tokens} <= {"draft", "suffix", "target"}
+        stats = next(c["dflash"] for c in chunks if "dflash" in c)
+        assert sum(t["source"] != "target" for t in tokens) == stats["accepted"]
+        copied = sum(t["source"] == "suffix" for t in tokens)
+        assert copied <= stats["sources"]["suffix"]["tokens"]
+    assert copied > 0  # the second answer copied the first
     lines = [json.loads(ln[6:]) for ln in plain.text.splitlines() if ln.startswith("data: {")]
     plain_tokens = [t for c in lines for t in c.get("dflash_tokens", [])]
     assert plain_tokens and all(t["source"] == "target" for t in plain_tokens)

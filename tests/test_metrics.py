@@ -53,6 +53,10 @@ def test_metrics_after_real_requests(tiny_hybrid_path: Path, draft_path: Path) -
     assert m[("dflash_tau_count", ())] == 3 and m[("dflash_accepted_drafts_count", ())] > 0
     assert m[("dflash_block_size_sum", ())] == 3 * 8
     assert m[("dflash_queue_depth", ())] == 0 and m[("dflash_active_requests", ())] == 0
+    sources = ("drafter", "suffix", "plain")
+    cycles = [m[("dflash_cycles_total", (("source", s),))] for s in sources]
+    committed = [m[("dflash_committed_tokens_total", (("source", s),))] for s in sources]
+    assert cycles[0] > 0 and all(t >= c for t, c in zip(committed, cycles))
     if cache is not None:  # the prefix cache's own counters
         assert m[("dflash_prefix_cache_hits_total", ())] == cache.stats()["hits"]
     assert not any(name.endswith("_created") for name, _ in m)

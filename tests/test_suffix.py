@@ -77,6 +77,7 @@ def test_proposes_the_most_frequent_continuation_of_the_longest_match():
     longest = SuffixProposer([*tokens, 8, 2, 3]).propose()  # "8 2 3": only the 4 follows it
     assert longest is not None and longest.match == 3 and longest.tokens[:3] == [4, 9, 2]
     assert SuffixProposer([1, 2, 3, 4]).propose() is None  # nothing repeats
+    assert not SuffixProposer([1, 2, 3, 4]).matches() and SuffixProposer([2, 3, 2, 3]).matches()
 
 
 def test_index_extends_incrementally_and_the_shared_index_stays_in_budget():

@@ -96,6 +96,11 @@ class SuffixTrust:
         f = self.factor if factor is None else factor
         return [min(self.cap, f * c) for c in confidence]
 
+    def forget(self, factor: float = 0.97) -> None:
+        """A proposal passed over: let old evidence fade, so a low trust is retried later."""
+        self.observed *= factor
+        self.predicted *= factor
+
     def observe(self, confidence: tuple[float, ...], accepted: int) -> None:
         predicted = AcceptanceModel.expected(self.rates(confidence, 1.0), len(confidence) + 1) - 1
         self.observed = self.decay * self.observed + accepted
@@ -248,16 +253,27 @@ class BlockController:
                 best, value = n, v
         return best, value
 
+    def copies(self, room: int, proposal: Proposal | None) -> int:
+        """How many of a suffix proposal's tokens to verify next (0: none), without deciding:
+        its best prefix, when that beats (by ``margin``) the drafter's best width or plain."""
+        if proposal is None or room <= 1:
+            return 0
+        n, value = self._suffix_best(proposal, room - 1)
+        if not n:
+            return 0
+        width = self._best(room) if self.max_block > 1 else 1
+        return n if value > (1 + self.margin) * self._value(self.acceptance.rates(), width) else 0
+
     def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
-        """The next cycle: a suffix proposal's best prefix when it beats (by ``margin``) the
-        drafter's best width or plain decoding, else ``next_size``'s width."""
-        if proposal is not None and room > 1:
-            n, value = self._suffix_best(proposal, room - 1)
-            if n:
-                width = self._best(room) if self.max_block > 1 else 1
-                if value > (1 + self.margin) * self._value(self.acceptance.rates(), width):
-                    self._suffix_queued.append(tuple(proposal.confidence[:n]))
-                    return Choice(SUFFIX, n + 1, tuple(proposal.tokens[:n]))
+        """The next cycle: the suffix proposal's tokens when ``copies`` says so, else
+        ``next_size``'s width."""
+        n = self.copies(room, proposal)
+        if n:
+            assert proposal is not None
+            self._suffix_queued.append(tuple(proposal.confidence[:n]))
+            return Choice(SUFFIX, n + 1, tuple(proposal.tokens[:n]))
+        if proposal is not None:
+            self.trust.forget()
         return Choice.width(self.next_size(room))
 
     def next_size(self, room: int) -> int:

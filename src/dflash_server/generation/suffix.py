@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 KEY = 2  # tokens a match needs at least: the index key
 MAX_MATCH = 32  # a match is measured backwards up to this many tokens
-CANDIDATES = 32  # newest occurrences of the key examined per lookup (per index)
+CANDIDATES = 16  # newest occurrences of the key examined per lookup (per index)
 TOKEN_BYTES = 72  # what one indexed token costs in memory (its list slot and index entry)
 
 
@@ -97,6 +97,10 @@ class SharedSuffixIndex:
                 _, dropped = self.entries.popitem(last=False)
                 self.bytes -= len(dropped.tokens) * TOKEN_BYTES
 
+    def matches(self, key: tuple[int, ...]) -> bool:
+        with self._lock:
+            return any(key in entry.follows for entry in self.entries.values())
+
     def occurrences(self, tail: Sequence[int]) -> list[tuple[int, _Occurrence]]:
         with self._lock:
             found: list[tuple[int, _Occurrence]] = []
@@ -134,6 +138,14 @@ class SuffixProposer:
     def extend(self, tokens: Sequence[int]) -> None:
         self.own.extend(tokens)
 
+    def matches(self) -> bool:
+        """Whether the committed tokens' end occurred before (cheap: one dict lookup each)."""
+        tail = tuple(self.own.tokens[-KEY:])
+        own = self.own.follows.get(tail, ())
+        if len(own) > 1 or (own and own[-1] < len(self.own.tokens)):
+            return True
+        return self.shared is not None and self.shared.matches(tail)
+
     def propose(self, limit: int | None = None) -> Proposal | None:
         """The most frequent continuation of the longest match of the committed tokens' end
         (at most ``limit`` tokens, else ``max_tokens``); None when nothing matches."""
@@ -161,6 +173,12 @@ def _continuation(alive: list[_Occurrence], match: int, limit: int) -> Proposal 
     tokens: list[int] = []
     confidence: list[float] = []
     for j in range(limit):
+        if len(alive) == 1:  # one occurrence left: the rest is a slice (the common case)
+            seq, s = alive[0]
+            rest = list(seq[s + j : s + limit])
+            tokens += rest
+            confidence += [(match + i) / (match + i + 1) for i in range(j, j + len(rest))]
+            break
         counts = Counter(seq[s + j] for seq, s in alive if s + j < len(seq))
         if not counts:
             break
