@@ -327,7 +327,7 @@ def test_bad_tool_schemas_and_names_are_400s(
                 tool_choice={"type": "function", "name": name},
             )
         assert resp.value.body["param"].startswith(param.replace(".function", ""))
-        with pytest.raises(anthropic.BadRequestError, match="tools.0") as msg:
+        with pytest.raises(anthropic.BadRequestError, match=r"tools\.0") as msg:
             claude.messages.create(
                 model="tiny",
                 max_tokens=5,
@@ -441,3 +441,50 @@ def test_output_config_json_schema_constrains_the_answer(
     assert served[1].calls[-1]["request"].constraint is not None
     claude.messages.create(model="tiny", max_tokens=20, messages=[{"role": "user", "content": "x"}])
     assert served[1].calls[-1]["request"].constraint is None
+
+
+def test_output_text_logprobs_match_chat(tiny_hybrid_path: Path, draft_path: Path) -> None:
+    """include: message.output_text.logprobs: the chat API's logprobs for the same tokens."""
+    app = make_app(tiny_hybrid_path, draft_path, served_model_name="tiny", temperature=0.0)
+    with run_server(app) as srv:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+        kw: dict[str, Any] = {"model": "tiny", "extra_body": {"block_size": 4}}
+        chat = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Count."}],
+            max_tokens=8,
+            logprobs=True,
+            top_logprobs=2,
+            reasoning_effort="none",
+            **kw,
+        )
+        want = [
+            (t.token, t.logprob, [a.token for a in t.top_logprobs])
+            for t in chat.choices[0].logprobs.content
+        ]
+        r = client.responses.create(
+            input="Count.",
+            max_output_tokens=8,
+            include=["message.output_text.logprobs"],
+            top_logprobs=2,
+            reasoning={"effort": "none"},
+            **kw,
+        )
+        (part,) = r.output[-1].content
+        got = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in part.logprobs]
+        assert [g[0] for g in got] == [w[0] for w in want] and len(got) == 8
+        assert part.text == chat.choices[0].message.content
+        assert all(abs(g[1] - w[1]) < 1e-4 and g[2] == w[2] for g, w in zip(got, want))
+        with client.responses.stream(
+            input="Count.",
+            max_output_tokens=8,
+            include=["message.output_text.logprobs"],
+            reasoning={"effort": "none"},
+            **kw,
+        ) as stream:
+            events = list(stream)
+        deltas = [
+            lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs
+        ]
+        final = events[-1].response  # response.incomplete: max_output_tokens ended it
+        assert final.status == "incomplete" and deltas == [g[0] for g in got]
+        assert [t.token for t in final.output[-1].content[0].logprobs] == deltas
