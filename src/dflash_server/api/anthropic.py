@@ -54,6 +54,13 @@ class Tool(BaseModel):
     type: str | None = None  # None or "custom"; server tools (web search, ...) are refused
 
 
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type "tool"
+    disable_parallel_tool_use: bool | None = None
+
+
 class Thinking(BaseModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0, le=MAX_INT)
@@ -82,7 +89,7 @@ class CountTokensRequest(_Request):
     messages: list[Message] = Field(..., min_length=1)
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
 
@@ -224,28 +231,20 @@ def _tool_policy(req: CountTokensRequest) -> dict[str, Any]:
             function["description"] = tool.description
         tools.append({"type": "function", "function": function})
     out: dict[str, Any] = {"tools": tools or None}
-    choice = req.tool_choice or {"type": "auto"}
-    kind = choice.get("type")
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
-    if kind == "tool":
-        if choice.get("name") not in {t.name for t in req.tools or []}:
+    choice = req.tool_choice or ToolChoice(type="auto")
+    mapped: Any = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
+    if choice.type == "tool":
+        if choice.name not in {t.name for t in req.tools or []}:
             raise APIError(
                 400,
-                f"tool_choice.name {str(choice.get('name'))[:80]!r} is not among the tools",
+                f"tool_choice.name {str(choice.name)[:80]!r} is not among the tools",
                 param="tool_choice.name",
                 code="invalid_value",
             )
-        mapped = {"type": "function", "function": {"name": choice.get("name")}}
-    if mapped is None:
-        raise APIError(
-            400,
-            "tool_choice.type must be 'auto', 'any', 'tool' (with a name) or 'none'",
-            param="tool_choice",
-            code="invalid_value",
-        )
+        mapped = {"type": "function", "function": {"name": choice.name}}
     if tools:
         out["tool_choice"] = mapped
-    if choice.get("disable_parallel_tool_use"):
+    if choice.disable_parallel_tool_use:
         out["parallel_tool_calls"] = False
     return out
 

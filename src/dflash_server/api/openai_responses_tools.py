@@ -81,6 +81,8 @@ def response_tools(tools: list[dict[str, Any]] | None) -> ResponseTools:
     names: set[str] = set()
     for i, tool in enumerate(tools or []):
         kind, where = tool.get("type"), f"tools.{i}"
+        if not isinstance(kind, str):
+            raise APIError(400, f"{where}.type must be a string", param=f"{where}.type")
         if kind in HOSTED_TOOLS:
             out.ignored.append(kind)
             continue
@@ -129,7 +131,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None, tools: ResponseTools) 
     if choice is None or choice in ("auto", "none", "required"):
         return choice
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind in HOSTED_TOOLS:
+    if isinstance(kind, str) and kind in HOSTED_TOOLS:
         raise APIError(
             400,
             f"tool_choice forces the hosted tool {kind!r}, which this server cannot run",
