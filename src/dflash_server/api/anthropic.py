@@ -79,7 +79,7 @@ class OutputConfig(BaseModel):
 
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    user_id: str | None = Field(None, max_length=512)
+    user_id: str | None = None
 
 
 class CountTokensRequest(_Request):
