@@ -243,7 +243,7 @@ def test_system_messages_mid_conversation(
     oai.responses.create(model="tiny", input=late, instructions="Be brief.")
     assert in_place in _prompt(served, tiny_hybrid[1])
     # A template that takes one system message first: merged into it, in order.
-    template = served[0].engine.models.tokenizer._tokenizer
+    template = served[0].engine.models.pair.tokenizer._tokenizer
     original = template.chat_template
     template.chat_template = RAISES + original
     try:

@@ -66,7 +66,7 @@ def _submit(request: Request, prepared: Prepared, endpoint: str) -> Job:
 
 def _tokenizer(request: Request) -> Any:
     models = _engine(request).models
-    return models.tokenizer if models else None
+    return models.pair.tokenizer if models else None
 
 
 def _events(
@@ -181,7 +181,7 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 
 def _model_card(request: Request) -> dict[str, Any]:
     models = _engine(request).models
-    context = models.context_length if models is not None else None
+    context = models.summary.context_length if models is not None else None
     return {
         "id": _settings(request).model_id,
         "object": "model",
@@ -197,7 +197,7 @@ def _model_card(request: Request) -> dict[str, Any]:
 async def health(request: Request) -> JSONResponse:
     """200 when ready, 503 while loading or after a failed load; the body says which."""
     engine, settings = _engine(request), _settings(request)
-    summary = engine.models.summary if engine.models else {}
+    summary = engine.models.summary.as_dict() if engine.models else {}
     body = {
         "status": engine.state,
         "models": [settings.model_id],
