@@ -255,6 +255,7 @@ async def prepare_response(
     try:
         return await prepare_chat(to_chat(req, conversation, tools), settings, engine), conversation
     except ContextLengthError as exc:
+        exc.param = "input"
         if req.truncation != "auto":
             raise
         error = exc
@@ -270,6 +271,7 @@ async def prepare_response(
             best = await prepare_chat(to_chat(req, kept, tools), settings, engine), kept
             hi = mid - 1
         except ContextLengthError as exc:
+            exc.param = "input"
             error, lo = exc, mid + 1
     if best is None:
         raise error

@@ -46,9 +46,15 @@ def check_parameters(schema: Any, param: str, *, object_only: bool = True) -> No
             param=param,
             code="invalid_value",
         )
+    if not isinstance(schema.get("$schema", ""), str):
+        raise APIError(400, f"{param}.$schema must be a string", param=f"{param}.$schema")
     validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
+    except RecursionError as exc:
+        raise APIError(
+            400, f"{param} is nested too deeply", param=param, code="invalid_schema"
+        ) from exc
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         raise APIError(
