@@ -142,7 +142,9 @@ class ChatText:
         start, end = think_markers(tokenizer)
         self.splitter = ReasoningSplitter(prepared.request.reasoning.opens, start, end)
         self.tools = (
-            ToolCallParser(prepared.tools, prepared.parallel_tool_calls) if prepared.tools else None
+            ToolCallParser(prepared.tools, prepared.parallel_tool_calls, end)
+            if prepared.tools
+            else None
         )
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
@@ -176,7 +178,20 @@ class ChatText:
     def dropped(self) -> int:
         return self.tools.dropped if self.tools is not None else 0
 
+    def outcome(self, reason: str) -> str:
+        """How the answer ended, once ``finish`` ran: ``reason``, except that max_tokens cutting
+        only an extra call (or the whitespace after a call) leaves a whole answer: "stop".
+
+        The cut call is dropped (``dropped`` counts it): the calls before it are complete,
+        and an agent can run them (an incomplete answer makes agent SDKs give up).
+        """
+        tools = self.tools
+        if reason == "length" and tools is not None and tools.calls and not tools.text_after_call:
+            return "stop"
+        return reason
+
     def finish_reason(self, reason: str) -> str:
+        reason = self.outcome(reason)
         return "tool_calls" if self.called and reason == "stop" else reason
 
     def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
