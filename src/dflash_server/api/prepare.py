@@ -130,6 +130,7 @@ def _request(
         logprobs=requested_logprobs(req),
         reasoning=prompt.reasoning,
         checkpoints=prompt.checkpoints,
+        skip_special_tokens=req.skip_special_tokens is not False,
         **extra,
     )
 
