@@ -8,9 +8,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from dflash_server.engine.budget import Both, Budgeted, ThinkingBudget
-from dflash_server.engine.structured import Grammar, response_format_grammar
-from dflash_server.generation.request import GenerationRequest
+from dflash_server.chat.budget import Both, Budgeted, ThinkingBudget
+from dflash_server.chat.structured import Grammar, response_format_grammar
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.sampling import SamplingParams
 from dflash_server.generation.stream import generate
 from dflash_server.testing import ReplayDrafter, random_drafter
@@ -69,8 +70,9 @@ def chat(tiny_hybrid: tuple[Any, Any]) -> tuple[Any, Any, list[int], int]:
 
 def _run(chat: Any, draft: Any, block: int, constraint: Any, n: int = 48) -> list[int]:
     model, tokenizer, prompt, _ = chat
-    request = GenerationRequest(tuple(prompt), n, block_size=block, constraint=constraint)
-    return [t for r in generate(model, draft, tokenizer, request) for t in r.tokens]
+    request = GenerationRequest(tuple(prompt), n, block=BlockPolicy(block), constraint=constraint)
+    pair = ModelPair.of(model, tokenizer, draft)
+    return [t for r in generate(pair, request) for t in r.tokens]
 
 
 @pytest.mark.parametrize("with_grammar", [False, True])
@@ -94,7 +96,7 @@ def test_speculation_is_exact_under_a_budget(chat: Any, with_grammar: bool) -> N
 def test_no_end_token_while_reasoning_under_a_grammar(chat: Any) -> None:
     """Rows before the think-end token allow every token but the end tokens; after it, the
     grammar's rows (here: a JSON enum)."""
-    model, tokenizer, _, end = chat
+    _, tokenizer, _, end = chat
     fmt = {"type": "json_schema", "json_schema": {"schema": {"enum": ["yes", "no"]}}}
     grammar = Grammar(response_format_grammar(fmt), end).build(tokenizer)
     eos = sorted(tokenizer.eos_token_ids)
@@ -120,13 +122,14 @@ def test_end_biased_model_still_answers_exactly(chat: Any) -> None:
     sampling = SamplingParams(logit_bias={eos: 50.0})
 
     def run(draft: Any, block: int) -> list[int]:
-        request = GenerationRequest(tuple(prompt), 48, sampling, block_size=block, constraint=spec)
-        out = list(generate(model, draft, tokenizer, request))
+        policy = BlockPolicy(block)
+        request = GenerationRequest(tuple(prompt), 48, sampling, block=policy, constraint=spec)
+        out = list(generate(ModelPair.of(model, tokenizer, draft), request))
         assert out[-1].finish_reason == "stop"
         return [t for r in out for t in r.tokens]
 
     unconstrained = GenerationRequest(tuple(prompt), 48, sampling)
-    first = list(generate(model, None, tokenizer, unconstrained))
+    first = list(generate(ModelPair.of(model, tokenizer, None), unconstrained))
     assert first[-1].finish_reason == "stop" and first[-1].generation_tokens == 0  # ends at once
     plain = run(None, 1)
     assert plain.index(end) == 6 and eos not in plain

@@ -96,7 +96,10 @@ def test_required_call_on_responses_for_every_seed(oai: openai.OpenAI) -> None:
         )
         calls = [item for item in r.output if item.type == "function_call"]
         text = r.output_text + "".join(
-            part.text for item in r.output if item.type == "reasoning" for part in item.content or []
+            part.text
+            for item in r.output
+            if item.type == "reasoning"
+            for part in item.content or []
         )
         if r.status != "completed" or len(calls) != 1:
             faults[seed] = f"status {r.status}, {len(calls)} calls"
@@ -206,7 +209,9 @@ def test_control_tokens_left_out_of_text(oai: openai.OpenAI) -> None:
     text = (message.content or "") + message.model_extra.get("reasoning_content", "")
     assert not any(c in text for c in CONTROL)
     body = {"skip_special_tokens": False}
-    raw = oai.chat.completions.create(model="tiny", messages=messages, seed=seed, extra_body=body, **kw)
+    raw = oai.chat.completions.create(
+        model="tiny", messages=messages, seed=seed, extra_body=body, **kw
+    )
     assert [e.token for e in raw.choices[0].logprobs.content] == tokens
     message = raw.choices[0].message
     raw_text = (message.content or "") + message.model_extra.get("reasoning_content", "")
