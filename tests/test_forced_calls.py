@@ -271,3 +271,37 @@ def test_cut_extra_call_leaves_a_whole_answer(
     )
     assert m.stop_reason == ("tool_use" if cut_call else "max_tokens")
     assert [b.input for b in m.content if b.type == "tool_use"] == [{"city": "Paris"}]
+
+
+def test_forced_answer_counts_only_the_answers_call(
+    scripted: tuple[str, ScriptedGenerate],
+) -> None:
+    """Under a forced call the grammar writes the answer: a call the model wrote while still
+    reasoning stays reasoning text, the answer's call is the one returned."""
+    url, script = scripted
+    script.pieces = [*f"musing {_call('Rome')} and <tool_call> more</think>\n\n", _call("Paris")]
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    for stream in (False, True):
+        r = oai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": QUESTION}],
+            tools=CHAT_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+            stream=stream,
+        )
+        if stream:
+            chunks = [c.choices[0] for c in r if c.choices]
+            reasoning = "".join(
+                (c.delta.model_extra or {}).get("reasoning_content") or "" for c in chunks
+            )
+            content = "".join(c.delta.content or "" for c in chunks)
+            calls = [tc.function.arguments for c in chunks for tc in c.delta.tool_calls or []]
+            finish = chunks[-1].finish_reason
+        else:
+            message = r.choices[0].message
+            reasoning, content = message.model_extra["reasoning_content"], message.content or ""
+            calls = [tc.function.arguments for tc in message.tool_calls]
+            finish = r.choices[0].finish_reason
+        assert finish == "tool_calls" and calls == ['{"city": "Paris"}'] and content == ""
+        assert reasoning == f"musing {_call('Rome')} and <tool_call> more"
