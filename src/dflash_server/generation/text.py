@@ -7,6 +7,7 @@ import contextlib
 import re
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -20,7 +21,7 @@ def encode(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array) 
         bos = getattr(tokenizer, "bos_token", None)
         add_special = bos is None or not prompt.startswith(bos)
         return list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    ids = cast("list[int]", prompt.tolist()) if isinstance(prompt, mx.array) else list(prompt)
     return [int(t) for t in ids]
 
 
