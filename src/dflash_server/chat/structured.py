@@ -209,9 +209,9 @@ class GrammarConstraint:
             if self.think_end not in drafts:
                 return self._while_reasoning(n)  # reasoning along the whole path
             start = drafts.index(self.think_end) + 1
-            bits = buf.view(np.uint32)
+            reasoning_rows = buf[:start].view(np.uint32)
             for end in self.ends:  # the rows up to the think-end token: no end token
-                bits[:start, end // 32] &= np.uint32(~(1 << (end % 32)) & 0xFFFFFFFF)
+                reasoning_rows[:, end // 32] &= np.uint32(~(1 << (end % 32)) & 0xFFFFFFFF)
         path = drafts[start:]
         # Ids past the tokenizer (spare embedding rows) are never allowed; llguidance would
         # treat them as an error, so the path stops there (later rows are unused anyway).
