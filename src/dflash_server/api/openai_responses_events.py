@@ -180,6 +180,7 @@ class ResponseShaper:
         events: list[dict[str, Any]] = []
         if self.open != kind:
             events += self._close()
+            item: dict[str, Any]
             if kind == "reasoning":
                 item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
             else:

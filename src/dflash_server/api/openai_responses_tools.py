@@ -138,7 +138,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None, tools: ResponseTools) 
             param="tool_choice",
             code="unsupported_tool",
         )
-    if kind == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict) and kind == "function" and isinstance(choice.get("name"), str):
         name = tools.flat(choice["name"], choice.get("namespace"))
         if name not in tools.namespaced and choice.get("namespace") is None:
             # A bare name that only a namespace holds: that one.
