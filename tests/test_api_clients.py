@@ -406,6 +406,7 @@ def _read_response(s: socket.socket) -> tuple[bytes, bytes]:
         ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tools": [WEB_SEARCH], "tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "namespace", "name": "n", "tools": 5}]}, "tools.0.tools"),
     ],
 )

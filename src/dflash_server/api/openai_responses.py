@@ -156,6 +156,13 @@ def previous(store: ResponseStore, response_id: str | None) -> list[dict[str, An
 
 def _tools(req: ResponsesRequest, tools: ResponseTools) -> dict[str, Any]:
     choice = chat_tool_choice(req.tool_choice, tools)
+    if choice == "required" and not tools.functions:
+        raise APIError(
+            400,
+            "tool_choice 'required' needs function tools (hosted tools are left out here)",
+            param="tool_choice",
+            code="invalid_value",
+        )
     if isinstance(choice, dict) and not tools.functions:
         raise APIError(
             400,
