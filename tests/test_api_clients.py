@@ -425,6 +425,7 @@ def test_invalid_messages_values_are_400s(served: tuple[RunningServer, ScriptedG
     for extra, words in [
         ({"metadata": {"user_id": 5}}, "metadata"),
         ({"tools": [weather], "tool_choice": {"type": "tool", "name": "x"}}, "tool_choice"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
         ({"output_config": {"format": {"type": "json_schema"}}}, "output_config"),
         ({"output_config": {"format": {"type": "json_schema", "schema": 5}}}, "output_config"),
         ({"thinking": {"type": "adaptive", "display": "loud"}}, "thinking"),

@@ -233,6 +233,8 @@ def _tool_policy(req: CountTokensRequest) -> dict[str, Any]:
     out: dict[str, Any] = {"tools": tools or None}
     choice = req.tool_choice or ToolChoice(type="auto")
     mapped: Any = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
+    if choice.type == "any" and not tools:
+        raise APIError(400, "tool_choice 'any' needs tools", param="tool_choice.type")
     if choice.type == "tool":
         if choice.name not in {t.name for t in req.tools or []}:
             raise APIError(
