@@ -28,7 +28,7 @@ from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder, SpeculativeStats
 from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
-from dflash_server.generation.text import TextStream, encode
+from dflash_server.generation.text import TextStream, encode, hidden_tokens
 
 
 @dataclass
@@ -98,7 +98,8 @@ def generate(
         checkpoints=request.checkpoints,
         suffix=suffix,
     )
-    text = TextStream(tokenizer, request.stop)
+    hidden = hidden_tokens(tokenizer) if request.skip_special_tokens else frozenset()
+    text = TextStream(tokenizer, request.stop, hidden)
     prompt = list(request.prompt)
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
