@@ -76,11 +76,13 @@ class TokenIndex:
 
 class SharedSuffixIndex:
     """Recent requests' outputs for one served model, least recently used dropped first once
-    ``budget_bytes`` is exceeded. Thread-safe (requests may run on several threads)."""
+    ``budget_bytes`` is exceeded; a key map finds the entries holding a key without visiting
+    the others. Thread-safe (requests may run on several threads)."""
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
         self.entries: OrderedDict[int, TokenIndex] = OrderedDict()
+        self.holders: dict[tuple[int, ...], list[int]] = {}  # key -> entries holding it
         self.bytes = 0
         self._next = 0
         self._lock = threading.Lock()
@@ -90,30 +92,34 @@ class SharedSuffixIndex:
         if len(tokens) <= KEY or size > self.budget:
             return
         with self._lock:
-            self.entries[self._next] = TokenIndex(tokens)
+            entry, name = TokenIndex(tokens), self._next
             self._next += 1
+            self.entries[name] = entry
+            for key in entry.follows:
+                self.holders.setdefault(key, []).append(name)
             self.bytes += size
             while self.bytes > self.budget:
-                _, dropped = self.entries.popitem(last=False)
-                self.bytes -= len(dropped.tokens) * TOKEN_BYTES
+                dropped, gone = self.entries.popitem(last=False)
+                self.bytes -= len(gone.tokens) * TOKEN_BYTES
+                for key in gone.follows:
+                    names = self.holders[key]
+                    names.remove(dropped)
+                    if not names:
+                        del self.holders[key]
 
     def matches(self, key: tuple[int, ...]) -> bool:
         with self._lock:
-            return any(key in entry.follows for entry in self.entries.values())
+            return key in self.holders
 
     def occurrences(self, tail: Sequence[int]) -> list[tuple[int, _Occurrence]]:
         with self._lock:
             found: list[tuple[int, _Occurrence]] = []
-            used = []
-            for key, entry in reversed(self.entries.items()):  # newest first
-                hits = entry.occurrences(tail)
-                if hits:
-                    found += hits
-                    used.append(key)
-                    if len(found) >= CANDIDATES:
-                        break
-            for key in used:  # recently useful: kept longest
-                self.entries.move_to_end(key)
+            names = self.holders.get(tuple(tail[-KEY:]), [])
+            for name in reversed(names[-CANDIDATES:]):  # newest first
+                found += self.entries[name].occurrences(tail)
+                self.entries.move_to_end(name)  # recently useful: kept longest
+                if len(found) >= CANDIDATES:
+                    break
             return found
 
 
