@@ -199,6 +199,7 @@ class BlockController:
         probe_budget: float = 0.02,
         prior: SharedPrior | None = None,
         margin: float = 0.05,
+        min_trust: float = 0.3,
     ):
         self.max_block = max(1, max_block)
         self.block_size = self.max_block  # the widest it may pick (reported as block_size)
@@ -215,6 +216,8 @@ class BlockController:
         self.widen_probe = 0  # width of a follow-up probe (after a fully accepted one)
         self.probes = 0
         self.trust = SuffixTrust()
+        self.min_trust = min_trust
+        self._rivals: dict[int, float] = {}  # room -> the drafter's best value (``_rival``)
         self._suffix_queued: deque[tuple[float, ...]] = deque()  # confidences, per cycle in flight
 
     def _first_gap(self) -> int:
@@ -253,16 +256,31 @@ class BlockController:
                 best, value = n, v
         return best, value
 
+    def _rival(self, room: int) -> float:
+        """Expected tokens per second of the drafter's best width (or plain), which a copy must
+        beat; cached until the next observation (it is asked every step)."""
+        key = min(room, self.max_block)
+        if key not in self._rivals:
+            width = self._best(room) if self.max_block > 1 else 1
+            self._rivals[key] = self._value(self.acceptance.rates(), width)
+        return self._rivals[key]
+
+    def might_copy(self) -> bool:
+        """Whether a copy could be worth verifying at all (the decoder then skips its plain
+        lookahead, which decides before the last token is known); a passed-over chance lets
+        old evidence fade, so a low trust is retried later."""
+        if self.trust.factor >= self.min_trust:
+            return True
+        self.trust.forget()
+        return False
+
     def copies(self, room: int, proposal: Proposal | None) -> int:
         """How many of a suffix proposal's tokens to verify next (0: none), without deciding:
         its best prefix, when that beats (by ``margin``) the drafter's best width or plain."""
         if proposal is None or room <= 1:
             return 0
         n, value = self._suffix_best(proposal, room - 1)
-        if not n:
-            return 0
-        width = self._best(room) if self.max_block > 1 else 1
-        return n if value > (1 + self.margin) * self._value(self.acceptance.rates(), width) else 0
+        return n if n and value > (1 + self.margin) * self._rival(room) else 0
 
     def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
         """The next cycle: the suffix proposal's tokens when ``copies`` says so, else
@@ -305,6 +323,7 @@ class BlockController:
         self, size: int, accepted: int, seconds: float | None, source: str = DRAFTER
     ) -> None:
         """A cycle of ``size`` positions committed ``accepted`` drafts (+1) in ``seconds``."""
+        self._rivals.clear()
         if seconds is not None:
             self.costs.observe(size, seconds, drafted=source != SUFFIX)
         if source == SUFFIX:

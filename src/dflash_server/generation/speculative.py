@@ -385,9 +385,9 @@ class SpeculativeDecoder:
             cycle = queued or self._queue_cycle(last, planned or self._choose(room))
             yield commit
             queued = planned = None
-            # A lookahead decides before the step's token is known: not while a copy would be
+            # A lookahead decides before the step's token is known: not while a copy may be
             # verified (one starting at that token would be missed).
-            if lookahead and cycle.size == 1 and room > 1 and not self._copying(room - 1):
+            if lookahead and cycle.size == 1 and room > 1 and not self._copying():
                 planned = Choice.width(self.policy.next_size(room - 1))
                 if planned.size == 1:
                     queued, planned = self._queue_cycle(cycle.result[1:2], planned), None
@@ -399,11 +399,11 @@ class SpeculativeDecoder:
         proposal = self.suffix.propose(room - 1)
         return cast(BlockController, self.policy).choose(room, proposal)
 
-    def _copying(self, room: int) -> bool:
+    def _copying(self) -> bool:
+        """Whether the next cycle may verify a copy (cheap: no proposal is built here)."""
         if self.suffix is None or not self.suffix.matches():
             return False
-        policy = cast(BlockController, self.policy)
-        return policy.copies(room, self.suffix.propose(room - 1)) > 0
+        return cast(BlockController, self.policy).might_copy()
 
 
 def _terminate(commit: Commit, room: int, eos_ids: set[int] | frozenset[int]) -> Commit:
