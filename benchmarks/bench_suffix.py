@@ -11,7 +11,9 @@ both with the replaying test double standing in for a good drafter (``REPLAY_PAT
 greedy outputs of every mode must equal plain decoding's.
 
 * copy: the held-out repeat-and-edit prompts (greedy): the answer is mostly in the prompt;
-* fresh: a new function header, sampled at temperature 1 (nothing in the context to copy).
+* fresh: a new function header, sampled at temperature 1, with no earlier outputs to copy (its
+  own output may still repeat itself: it is code);
+* noise: the same at temperature 2 (near-random text: nothing to copy).
 
     /work/bin/wt-py benchmarks/bench_suffix.py --json /tmp/bench_suffix.json
 """
@@ -33,11 +35,11 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 
 from dflash_server import load
-from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.pair import SUFFIX_INDEX_BYTES, ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.sampling import SamplingParams
 from dflash_server.generation.stream import generate
-from dflash_server.generation.suffix import SuffixProposer
+from dflash_server.generation.suffix import SharedSuffixIndex, SuffixProposer
 from dflash_server.testing import ReplayDrafter, build_target, random_drafter
 
 NAMES = [
@@ -277,14 +279,13 @@ def main() -> None:
         pair = next(q for q in pairs.values() if id(q) == p)
         print(pair.costs(args.suffix + 1).describe(), flush=True)
     fresh_rng = random.Random(999)
+    fresh = [tokenizer.encode(f"def {a}({b}, {c}):\n") for a, b, c in
+             (fresh_rng.sample(NAMES, 3) for _ in range(args.prompts))]  # fmt: skip
     workloads = {
         "copy": ([tokenizer.encode(p) for p, _ in tasks], GREEDY),
-        "fresh": (
-            [tokenizer.encode(f"def {a}({b}, {c}):\n") for a, b, c in
-             (fresh_rng.sample(NAMES, 3) for _ in range(args.prompts))],
-            SamplingParams(temperature=1.0),
-        ),
-    }  # fmt: skip
+        "fresh": (fresh, SamplingParams(temperature=1.0)),
+        "noise": (fresh, SamplingParams(temperature=2.0)),
+    }
     cost = proposer_cost(tokenizer)
     print("suffix drafting host cost:", cost, flush=True)
     report: dict[str, Any] = {
@@ -309,6 +310,8 @@ def main() -> None:
                         replay = ReplayDrafter(prompt + reference, REPLAY_PATTERN, draft)
                         pair = ModelPair.of(model, tokenizer, replay)
                         pair.measured = pairs["dflash"].costs(args.suffix + 1)
+                    if name != "copy":  # nothing to copy: no earlier outputs either
+                        pair.suffix_index = SharedSuffixIndex(SUFFIX_INDEX_BYTES)
                     out, res = run(pair, prompt, args.tokens, block, params)
                     if params.greedy:
                         reference = reference or out

@@ -77,17 +77,22 @@ class FixedBlock:
 
 class SuffixTrust:
     """How far to believe suffix confidences: the drafts recent suffix cycles got accepted over
-    the number their confidences predicted (decayed sums, 1 to start, within ``bounds``)."""
+    the number their confidences predicted (decayed sums plus ``prior`` drafts on each side, so
+    one copy that breaks early does not end copying; within ``bounds``)."""
 
     def __init__(
-        self, decay: float = 0.8, cap: float = 0.98, bounds: tuple[float, float] = (0.05, 1.5)
+        self,
+        decay: float = 0.8,
+        cap: float = 0.98,
+        bounds: tuple[float, float] = (0.05, 1.5),
+        prior: float = 4.0,
     ):
-        self.decay, self.cap, self.bounds = decay, cap, bounds
+        self.decay, self.cap, self.bounds, self.prior = decay, cap, bounds, prior
         self.observed = self.predicted = 0.0
 
     @property
     def factor(self) -> float:
-        ratio = (self.observed + 1.0) / (self.predicted + 1.0)
+        ratio = (self.observed + self.prior) / (self.predicted + self.prior)
         return min(max(ratio, self.bounds[0]), self.bounds[1])
 
     def rates(
