@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,51 @@ def test_stop_gives_every_active_and_waiting_job_a_final_event(models: LoadedMod
         assert isinstance(events[-1], Failed) and events[-1].status == 503
         assert events[-1].code == "server_shutdown"
     assert gen.finished == 0
+
+
+def test_long_prefill_yields_to_running_streams(models: LoadedModels) -> None:
+    """A long prompt prefills one chunk per engine round: the running streams get tokens
+    between its chunks, and every output equals its lone run (same chunking)."""
+    order: list[tuple[int, str]] = []
+    outputs: dict[int, list[int]] = {}
+    holder: list[Engine] = []
+
+    def tagged(models: Any, request: Any) -> Any:
+        key = request.prompt[0]
+        outputs[key] = []
+        for response in holder[0]._run_request(models, request):
+            chunk = not response.tokens and response.finish_reason is None
+            order.append((key, "chunk" if chunk else "tokens"))
+            outputs[key].extend(response.tokens)
+            yield response
+
+    engine = _engine(models, tagged, max_active=3, prefill_step_size=8)
+    holder.append(engine)
+    jobs: list[Any] = []
+
+    async def main() -> None:
+        running = [make_job([5, 17, 40, 9], 120, block_size=4), make_job([6, 12], 120)]
+        long = make_job([7] + [(11 * i) % 50 + 3 for i in range(95)], 10, block_size=8)
+        jobs.extend([*running, long])
+        for job in running:
+            engine.submit(job)
+        for job in running:
+            await job.next_events(timeout=10)  # both are generating now
+        engine.submit(long)
+        await asyncio.gather(*(drain(job) for job in [*running, long]))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    chunks = [i for i, (key, kind) in enumerate(order) if key == 7 and kind == "chunk"]
+    assert len(chunks) == 11  # 96 tokens in chunks of 8: 11 yields, the 12th gives a token
+    for a, b in itertools.pairwise(chunks):
+        between = {key for key, kind in order[a:b] if kind == "tokens"}
+        assert between == {5, 6}, order[a:b]
+    for job in jobs:
+        from dflash_server.generation.stream import generate
+
+        m = models
+        lone = generate(m.model, m.draft, m.tokenizer, job.request, prefill_step_size=8)
+        assert outputs[job.request.prompt[0]] == [t for r in lone for t in r.tokens]

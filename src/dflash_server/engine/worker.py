@@ -1,10 +1,11 @@
 """The engine: one worker thread owns every MLX call (loading and generation).
 
 Scheduling: requests wait in a bounded FIFO; up to ``max_active`` of them generate at once, and
-the worker advances each active request by one DFlash cycle per round (round robin). Every
-request keeps its own caches inside its ``stream_generate`` generator, so interleaving changes
-no request's tokens, and a short request finishes while a long one is still running. A new
-request's prefill runs as its first step (chunked by ``prefill_step_size``).
+the worker advances each active request by one step per round (round robin): a DFlash cycle, or
+one prompt chunk (``prefill_step_size`` tokens) of a request still prefilling, so a long prompt
+never stalls the other streams for more than a chunk. Every request keeps its own caches inside
+its ``stream_generate`` generator, so interleaving changes no request's tokens, and a short
+request finishes while a long one is still running.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
 event loop and stops at its next step.
 """
@@ -248,6 +249,7 @@ class Engine:
             request,
             prefill_step_size=self.prefill_step_size,
             prefix=self.prefix_cache,
+            yield_chunks=True,  # a long prompt prefills between the other streams' cycles
         )
 
     def _start(self, job: Job) -> _Run | None:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,9 +29,17 @@ from dflash_server.generation.request import (
     block_policy,
 )
 from dflash_server.generation.sampling import SamplingParams, TokenConstraint, TokenSampler
-from dflash_server.generation.speculative import Commit, SpeculativeDecoder, SpeculativeStats
+from dflash_server.generation.speculative import (
+    PREFILL_CHUNK,
+    Commit,
+    SpeculativeDecoder,
+    SpeculativeStats,
+)
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.drafter import DFlashDraftModel
+
+if TYPE_CHECKING:
+    from dflash_server.generation.batch import BatchDecoder
 
 
 @dataclass
@@ -136,12 +145,17 @@ def generate(
     profile: bool = False,
     prefix: PrefixStore | None = None,
     costs: CostModel | None = None,
+    yield_chunks: bool = False,
+    batch: BatchDecoder | None = None,
 ) -> Iterator[GenerationResponse]:
     """Run one request (``draft`` must be bound to ``model``; ignored when not speculative).
 
     ``prefix``: a prefix cache to restore the prompt's longest cached prefix from and to keep
     this prompt's state in (at ``request.checkpoints``). ``costs``: the pair's cycle costs for
     ``request.adaptive`` (default: measured once per pair, see ``costs_for``).
+    ``yield_chunks``: yield an empty response after each prompt chunk but the last (the engine
+    advances other streams in between). ``batch``: after its prefill the request's cycles run
+    as one row of this batch (``generation/batch.py``), which its owner steps.
     """
     draft = draft if request.speculative else None
     policy = None
@@ -167,34 +181,46 @@ def generate(
     prompt = list(request.prompt)
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
-    for i, commit in enumerate(
-        decoder.generate(prompt, request.max_tokens, tokenizer.eos_token_ids)
-    ):
-        if i == 0:
-            decoder.stats.prefill_s = time.perf_counter() - tic
-            prompt_tps = (len(prompt) - decoder.stats.cached_tokens) / decoder.stats.prefill_s
-            tic = time.perf_counter()
-        segment, kept, finish = text.feed(commit)
-        n += kept
-        kept_commit = commit.truncate(kept)
-        yield GenerationResponse(
-            text=segment,
-            tokens=kept_commit.tokens,
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
-            prompt_tps=prompt_tps,
-            generation_tokens=n,
-            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            stats=decoder.stats,
-            accepted=None if i == 0 else len(commit.tokens),
-            logprobs=kept_commit.logprobs,
-            top_logprobs=kept_commit.top_logprobs,
-            stop=text.hit,
-            sources=[(piece, j < kept_commit.drafted) for j, piece in enumerate(text.pieces)],
+    if batch is not None:
+        commits = batch.join(decoder, prompt, request.max_tokens, tokenizer.eos_token_ids)
+    else:
+        commits = decoder.generate(
+            prompt, request.max_tokens, tokenizer.eos_token_ids, yield_chunks
         )
-        if finish is not None:
-            return
+    i = 0  # commits so far (the first holds the prefill's token)
+    try:
+        for commit in commits:
+            if commit is PREFILL_CHUNK:  # the prefill goes on: nothing to say yet
+                yield GenerationResponse("", [], None, len(prompt), 0.0, 0, 0.0, 0.0)
+                continue
+            if i == 0:
+                decoder.stats.prefill_s = time.perf_counter() - tic
+                prompt_tps = (len(prompt) - decoder.stats.cached_tokens) / decoder.stats.prefill_s
+                tic = time.perf_counter()
+            segment, kept, finish = text.feed(commit)
+            n += kept
+            kept_commit = commit.truncate(kept)
+            yield GenerationResponse(
+                text=segment,
+                tokens=kept_commit.tokens,
+                finish_reason=finish,
+                prompt_tokens=len(prompt),
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                stats=decoder.stats,
+                accepted=None if i == 0 else len(commit.tokens),
+                logprobs=kept_commit.logprobs,
+                top_logprobs=kept_commit.top_logprobs,
+                stop=text.hit,
+                sources=[(piece, j < kept_commit.drafted) for j, piece in enumerate(text.pieces)],
+            )
+            i += 1
+            if finish is not None:
+                return
+    finally:
+        commits.close()  # a batch row leaves its batch now, not when collected
 
 
 class WiredLimit:
