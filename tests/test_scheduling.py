@@ -82,15 +82,17 @@ def test_waiting_requests_are_admitted_in_order(models: LoadedModels) -> None:
     assert all(isinstance(r[-1], Finished) for r in results)
 
 
-def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> None:
+@pytest.mark.parametrize("batching", ["interleave", "batched"])
+def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels, batching: str) -> None:
     """Four greedy requests (speculative, plain, two block sizes) plus a sampled one, interleaved
-    cycle by cycle, each produce exactly the tokens they produce alone."""
+    cycle by cycle or batched, each produce exactly the tokens they produce alone."""
     runs: dict[int, list[int]] = {}
+    holder: list[Engine] = []
 
     def recording(models: Any, request: Any) -> Any:
         key = request.prompt[0]  # each test prompt starts with a distinct token
         runs[key] = []
-        for response in real_generate(models, request):
+        for response in holder[0]._run_request(models, request):
             runs[key].extend(response.tokens)
             yield response
 
@@ -101,7 +103,8 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> Non
         ([8, 31, 31, 31, 2], 50, {"repetition_penalty": 1.1, "block_size": 8}),
         ([9, 1, 2], 50, {"temperature": 1.0, "seed": 3, "block_size": 8}),
     ]
-    engine = _engine(models, recording, max_active=5)
+    engine = _engine(models, recording, max_active=5, batching=batching)
+    holder.append(engine)
 
     async def main() -> tuple[list[Any], list[list[Any]]]:
         jobs = [make_job(prompt, n, **kw) for prompt, n, kw in specs]
@@ -113,6 +116,8 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> Non
         jobs, results = asyncio.run(main())
     finally:
         engine.stop()
+    if batching == "batched":
+        assert max(engine.batch.histogram) >= 4 and engine.active_rows == 0
     for job, events in zip(jobs, results):
         assert isinstance(events[-1], Finished), events[-1]
         request = job.request
@@ -146,7 +151,8 @@ def test_stop_gives_every_active_and_waiting_job_a_final_event(models: LoadedMod
     assert gen.finished == 0
 
 
-def test_long_prefill_yields_to_running_streams(models: LoadedModels) -> None:
+@pytest.mark.parametrize("batching", ["interleave", "batched"])
+def test_long_prefill_yields_to_running_streams(models: LoadedModels, batching: str) -> None:
     """A long prompt prefills one chunk per engine round: the running streams get tokens
     between its chunks, and every output equals its lone run (same chunking)."""
     order: list[tuple[int, str]] = []
@@ -162,7 +168,7 @@ def test_long_prefill_yields_to_running_streams(models: LoadedModels) -> None:
             outputs[key].extend(response.tokens)
             yield response
 
-    engine = _engine(models, tagged, max_active=3, prefill_step_size=8)
+    engine = _engine(models, tagged, max_active=3, prefill_step_size=8, batching=batching)
     holder.append(engine)
     jobs: list[Any] = []
 

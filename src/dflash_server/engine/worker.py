@@ -5,7 +5,10 @@ the worker advances each active request by one step per round (round robin): a D
 one prompt chunk (``prefill_step_size`` tokens) of a request still prefilling, so a long prompt
 never stalls the other streams for more than a chunk. Every request keeps its own caches inside
 its ``stream_generate`` generator, so interleaving changes no request's tokens, and a short
-request finishes while a long one is still running.
+request finishes while a long one is still running. With ``batching="batched"`` the requests
+past their prefill run as rows of one ``BatchDecoder`` instead: each round is one batched pass
+(a drafter pass per speculating row, one target verify for all), then every request's step reads
+its row's tokens; outputs are still those of a lone run.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
 event loop and stops at its next step.
 """
@@ -34,10 +37,14 @@ from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.request import GenerationRequest
 
 if TYPE_CHECKING:
+    from dflash_server.generation.batch import BatchDecoder
     from dflash_server.generation.stream import GenerationResponse
 
 log = logging.getLogger("dflash_server")
 SHUTDOWN = "server is shutting down"
+# "interleave": each request cycles alone, one after another; "batched": all running requests
+# advance in one target pass per round (generation/batch.py).
+BATCHING = ("interleave", "batched")
 
 # One request's generation on the resident models: a response per cycle (the first: prefill).
 GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator["GenerationResponse"]]
@@ -95,7 +102,14 @@ class Engine:
         generate: GenerateFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
         prefix_cache: PrefixCache | None = None,
+        batching: str = "batched",
+        max_verify: int | None = None,
     ) -> None:
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        self.batching, self.max_verify = batching, max_verify
+        self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
+        self.on_pass: Callable[[int, int], None] | None = None  # (rows, verified positions)
         self._loader = loader
         self.prefix_cache = prefix_cache
         self._generate = generate or self._run_request
@@ -159,6 +173,11 @@ class Engine:
         with self._cond:
             return len(self._active)
 
+    @property
+    def active_rows(self) -> int:
+        """Requests running as rows of the batched pass (0 when interleaving)."""
+        return len(self.batch.rows) if self.batch is not None else 0
+
     def submit(self, job: Job) -> None:
         """Queue a job, or raise EngineNotReady / QueueFull without queueing it."""
         if self.state != "ready":
@@ -192,6 +211,14 @@ class Engine:
             return
         from dflash_server.generation.stream import WiredLimit
 
+        if self.batching == "batched":
+            from dflash_server.generation.batch import BatchDecoder
+            from dflash_server.generation.target import TargetModel
+
+            draft = self.models.draft
+            taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
+            target = TargetModel.of(self.models.model, taps)
+            self.batch = BatchDecoder(target, self.max_verify)
         self.state = "ready"
         self._ready.set()
         try:
@@ -220,6 +247,13 @@ class Engine:
             if run is not None:
                 with self._cond:
                     self._active.append(run)
+        if self.batch is not None and self.batch.rows:
+            try:  # one pass for every running row; each row's step below reads its tokens
+                self.batch.step()
+            except Exception:
+                log.exception("batched pass failed")  # each of its rows ends with the error
+            if self.on_pass is not None:
+                self.on_pass(*self.batch.last_pass)
         for run in list(self._active):
             if self._stopping:
                 return False
@@ -250,6 +284,7 @@ class Engine:
             prefill_step_size=self.prefill_step_size,
             prefix=self.prefix_cache,
             yield_chunks=True,  # a long prompt prefills between the other streams' cycles
+            batch=self.batch,
         )
 
     def _start(self, job: Job) -> _Run | None:
