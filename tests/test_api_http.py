@@ -195,6 +195,7 @@ def test_health(server: RunningServer) -> None:
     body = httpx.get(f"{server.base_url}/health").json()
     assert body["status"] == "ready" and body["models"] == ["tiny"]
     assert body["queue_depth"] == 0 and body["block_size"] == 8 and body["context_length"] == 96
+    assert body["batching"] == "batched" and body["active_rows"] == 0
 
 
 def test_cors(server: RunningServer) -> None:

@@ -53,6 +53,11 @@ def test_metrics_after_real_requests(tiny_hybrid_path: Path, draft_path: Path) -
     assert m[("dflash_tau_count", ())] == 3 and m[("dflash_accepted_drafts_count", ())] > 0
     assert m[("dflash_block_size_sum", ())] == 3 * 8
     assert m[("dflash_queue_depth", ())] == 0 and m[("dflash_active_requests", ())] == 0
+    # Batched passes: one row each here (the requests ran one after another), 8 wide at most.
+    passes = m[("dflash_batch_rows_count", ())]
+    assert passes > 0 and m[("dflash_batch_rows_sum", ())] == passes
+    assert passes <= m[("dflash_batch_verify_tokens_sum", ())] <= 8 * passes
+    assert m[("dflash_active_rows", ())] == 0
     if cache is not None:  # the prefix cache's own counters
         assert m[("dflash_prefix_cache_hits_total", ())] == cache.stats()["hits"]
     assert not any(name.endswith("_created") for name, _ in m)

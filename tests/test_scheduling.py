@@ -118,6 +118,8 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels, batchi
         engine.stop()
     if batching == "batched":
         assert max(engine.batch.histogram) >= 4 and engine.active_rows == 0
+        sizes = [results[0][-1].stats["batch_histogram"], results[2][-1].stats["batch_histogram"]]
+        assert all(max(h) >= 4 for h in sizes), sizes  # the stats say the batches it ran in
     for job, events in zip(jobs, results):
         assert isinstance(events[-1], Finished), events[-1]
         request = job.request

@@ -188,6 +188,8 @@ async def health(request: Request) -> JSONResponse:
         "draft_family": summary.get("draft_family"),
         "context_length": summary.get("context_length"),
         "queue_depth": engine.queue_depth,
+        "batching": engine.batching,
+        "active_rows": engine.active_rows,
         "max_queue": engine.max_queue,
         "prefix_cache": engine.prefix_cache.stats() if engine.prefix_cache else None,
     }
