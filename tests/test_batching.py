@@ -94,3 +94,168 @@ def test_rows_joining_and_leaving_equal_lone_runs(target: tuple[Any, Any]) -> No
         assert out[key] == tokens_of(make().generate(prompt, n)), key
     assert out["a"] == refs[0][:40] and out["long"] == refs[3][:50]
     assert batch.rows == [] and max(batch.histogram) >= 4  # rows overlapped
+
+
+def collect(model: Any, specs: dict[str, tuple], start: dict[str, int] | None = None):
+    """Like ``run_batched`` but keeps the commits (for logprobs)."""
+    inner = random_drafter(model)
+    batch = BatchDecoder(TargetModel.of(model, tuple(inner.config.target_layer_ids)))
+    streams = {k: batch.join(make(), prompt, n) for k, (make, prompt, n) in specs.items()}
+    out: dict[str, list[Any]] = {k: [] for k in specs}
+    for key, commit in drive(batch, streams, start):
+        if commit is not PREFILL_CHUNK:
+            out[key].append(commit)
+    return out
+
+
+def test_logprobs_penalties_and_constraints_per_row(tiny_hybrid: tuple[Any, Any]) -> None:
+    """Rows with logprobs, penalties and a grammar next to free rows: each as alone."""
+    from test_logprobs_constraints import NoMultipleOfThree
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model)
+    vocab = model.model.embed_tokens.weight.shape[0]
+    ids = [list(tokenizer.encode(p)) for p in PROMPTS]
+    penalties = SamplingParams(repetition_penalty=1.3, presence_penalty=0.7)
+    specs = {
+        "logprobs": (lambda: make_decoder(model, inner, 16, logprobs=3), ids[0], 30),
+        "penalties": (lambda: make_decoder(model, inner, 4, sampling=penalties), ids[1], 30),
+        "grammar": (lambda: make_decoder(model, inner, 8, logprobs=0,
+                    constraint=NoMultipleOfThree(vocab, ids[2][-1])), ids[2], 30),
+        "free": (lambda: make_decoder(model, None, 1, logprobs=2), ids[1], 20),
+    }  # fmt: skip
+    out = collect(model, specs, start={"grammar": 1})
+    for key, (make, prompt, n) in specs.items():
+        lone = list(make().generate(prompt, n))
+        assert tokens_of(out[key]) == tokens_of(lone), key
+        if lone[0].logprobs is None:
+            continue
+        got = [lp for c in out[key] for lp in c.logprobs]
+        want = [lp for c in lone for lp in c.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, key
+        if lone[0].top_logprobs is not None:
+            for a, b in zip(out[key], lone):
+                for x, y in zip(a.top_logprobs, b.top_logprobs):
+                    assert [i for i, _ in x] == [i for i, _ in y]
+                    assert max(abs(u - v) for (_, u), (_, v) in zip(x, y)) < 1e-4
+    tokens = tokens_of(out["grammar"])
+    assert all((a + b) % 3 for a, b in zip([ids[2][-1], *tokens], tokens))
+
+
+def test_cancelled_row_leaves_and_others_go_on(target: tuple[Any, Any]) -> None:
+    model, tokenizer = target
+    inner = random_drafter(model)
+    ids = [list(tokenizer.encode(p)) for p in PROMPTS]
+    batch = BatchDecoder(TargetModel.of(model, tuple(inner.config.target_layer_ids)))
+    makes = [lambda: make_decoder(model, inner, 4), lambda: make_decoder(model, inner, 8),
+             lambda: make_decoder(model, None, 1)]  # fmt: skip
+    streams = [batch.join(make(), p, 40) for make, p in zip(makes, ids)]
+    out: list[list[int]] = [[], [], []]
+    rounds = 0
+    while any(s is not None for s in streams):
+        batch.step()
+        for i, stream in enumerate(streams):
+            if stream is None:
+                continue
+            if i == 1 and rounds == 5:  # the client went away: its row leaves mid-stream
+                stream.close()
+                streams[i] = None
+                assert len(batch.rows) == 2
+                continue
+            try:
+                commit = next(stream)
+            except StopIteration:
+                streams[i] = None
+                continue
+            out[i].extend([] if commit is PREFILL_CHUNK else commit.tokens)
+        rounds += 1
+    for i in (0, 2):
+        assert out[i] == tokens_of(makes[i]().generate(ids[i], 40))
+    assert batch.rows == []
+
+
+def test_prefix_cache_hit_restores_into_a_row(tiny_hybrid: tuple[Any, Any]) -> None:
+    from dflash_server.engine.prefix_cache import PrefixCache
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model)
+    system = list(tokenizer.encode(PROMPTS[2] * 4))
+    prompts = [system + list(tokenizer.encode(p)) for p in PROMPTS[:2]]
+    cache = PrefixCache(1 << 30)
+    cut = (len(system),)
+
+    def make(prefix: Any) -> Any:
+        return lambda: make_decoder(model, inner, 8, prefix=prefix, checkpoints=cut,
+                                    prefill_step_size=16)  # fmt: skip
+
+    cold = [tokens_of(make(None)().generate(p, 30)) for p in prompts]
+    list(make(cache)().generate(prompts[0], 1))  # leaves the shared system prompt cached
+    specs = {"hit": (make(cache), prompts[1], 30), "other": (make(None), prompts[0], 30)}
+    decoders: dict[str, Any] = {}
+
+    def keep(key: str, factory: Any) -> Any:
+        def build() -> Any:
+            decoders[key] = factory()
+            return decoders[key]
+
+        return build
+
+    specs = {k: (keep(k, f), p, n) for k, (f, p, n) in specs.items()}
+    out, _ = run_batched(model, specs)
+    assert out["hit"] == cold[1] and out["other"] == cold[0]
+    assert decoders["hit"].stats.cached_tokens >= len(system)
+
+
+def test_sampled_rows_equal_their_lone_runs(tiny_hybrid: tuple[Any, Any]) -> None:
+    """A sampled row draws from its own seeded stream: batched or alone, the same tokens."""
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model)
+    ids = list(tokenizer.encode(PROMPTS[0]))
+    params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1)
+    specs = {
+        seed: (lambda s=seed: make_decoder(model, inner, 2 + seed % 7, sampling=params, seed=s),
+               ids, 24)
+        for seed in range(6)
+    }  # fmt: skip
+    specs[99] = (lambda: make_decoder(model, None, 1), ids, 24)  # a greedy row alongside
+    out, _ = run_batched(model, specs)
+    for key, (make, prompt, n) in specs.items():
+        assert out[key] == tokens_of(make().generate(prompt, n)), key
+
+
+def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> None:
+    """Joint law of 3 tokens per row, rows batched 8 at a time, against the exact law."""
+    from collections import Counter
+
+    from test_sampling import total_variation, tv_tolerance
+
+    model, tokenizer = tiny_hybrid
+    prompt = list(tokenizer.encode("The quick brown"))
+    params = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
+    inner = random_drafter(model, block_size=4)
+    target = TargetModel.of(model, tuple(inner.config.target_layer_ids))
+
+    def law(prefix: list[int]) -> dict[int, float]:
+        sampler = TokenSampler(params)
+        logits = target.forward(mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None))[0]
+        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
+        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
+        return {i: v for i, v in enumerate(probs) if v > 0}
+
+    exact: dict[tuple[int, ...], float] = {}
+    for t0, p0 in law([]).items():
+        for t1, p1 in law([t0]).items():
+            for t2, p2 in law([t0, t1]).items():
+                exact[(t0, t1, t2)] = p0 * p1 * p2
+    best = max(exact, key=exact.get)
+    n, counts = 480, Counter()
+    for first in range(0, n, 8):
+        specs = {}
+        for seed in range(first, first + 8):
+            draft = ReplayDrafter(prompt + list(best) + [0] * 8, [3], inner)
+            width = 4 if seed % 2 else 2
+            specs[seed] = (lambda d=draft, s=seed, w=width: make_decoder(
+                model, d, w, sampling=params, seed=s), prompt, 3)  # fmt: skip
+        out, _ = run_batched(model, specs)
+        counts.update(tuple(tokens) for tokens in out.values())
+    assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)
