@@ -213,7 +213,7 @@ def test_sampled_rows_equal_their_lone_runs(tiny_hybrid: tuple[Any, Any]) -> Non
     ids = list(tokenizer.encode(PROMPTS[0]))
     params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1)
     specs = {
-        seed: (lambda s=seed: make_decoder(model, inner, 2 + seed % 7, sampling=params, seed=s),
+        seed: (lambda s=seed: make_decoder(model, inner, 2 + s % 7, sampling=params, seed=s),
                ids, 24)
         for seed in range(6)
     }  # fmt: skip
@@ -237,7 +237,9 @@ def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> Non
 
     def law(prefix: list[int]) -> dict[int, float]:
         sampler = TokenSampler(params)
-        logits = target.forward(mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None))[0]
+        logits = target.forward(
+            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
+        )[0]
         logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
         probs = mx.exp(sampler.logprobs(logits))[0].tolist()
         return {i: v for i, v in enumerate(probs) if v > 0}
@@ -259,3 +261,33 @@ def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> Non
         out, _ = run_batched(model, specs)
         counts.update(tuple(tokens) for tokens in out.values())
     assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)
+
+
+def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) -> None:
+    """Rows with different context lengths and widths, drafted together: each row's draft
+    distribution (log q) and drafts equal its own pass; the context caches end the same."""
+    from dflash_server.generation.batch_draft import DraftRow, propose_rows
+
+    model, _ = tiny_hybrid
+    draft = random_drafter(model, block_size=8)
+    features = len(draft.config.target_layer_ids) * 64
+    params = SamplingParams(temperature=0.8)
+    mask = draft.config.mask_token_id
+
+    def rows() -> list[DraftRow]:
+        out = []
+        for i, (context, width) in enumerate([(5, 8), (13, 3), (9, 6)]):
+            cache = draft.make_cache()
+            taps = mx.random.normal((1, context, features), key=mx.random.key(i))
+            draft.append_context(taps[:, :-2], cache)  # some context cached, some new
+            block = mx.array([[7 + i] + [mask] * (width - 1)])
+            out.append(DraftRow(draft, block, taps[:, -2:], cache, TokenSampler(params, i), None))
+        return out
+
+    together, apart = rows(), rows()
+    got = propose_rows(together)
+    want = [r.drafter.propose(r.block, r.context, r.cache, r.sampler, None) for r in apart]
+    for (d1, q1), (d2, q2), a, b in zip(got, want, together, apart):
+        assert d1.tolist() == d2.tolist()
+        assert mx.allclose(q1, q2, atol=1e-4).item()
+        assert [c.offset for c in a.cache] == [c.offset for c in b.cache]

@@ -427,9 +427,14 @@ class ReplayDrafter:
         self.inner.append_context(target_hidden, cache)
 
     def __call__(self, block_ids: Any, target_hidden: Any, cache: list[Any], logits_start: int = 0):
+        real = self.inner(block_ids, target_hidden, cache, logits_start)
+        return self.planted(block_ids, cache, logits_start, real)
+
+    def planted(self, block_ids: Any, cache: list[Any], logits_start: int, real: Any):
+        """The planted logits for a block whose real ones (context already appended) are
+        ``real``; batched drafting calls this per row after one pass for all rows."""
         import mlx.core as mx
 
-        real = self.inner(block_ids, target_hidden, cache, logits_start)
         anchor = cache[0].offset  # absolute position of block position 0
         right = self.pattern[self.cycle % len(self.pattern)]
         self.cycle += 1

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
+from dflash_server.generation.batch_draft import DraftRow, propose_rows
 from dflash_server.generation.speculative import (
     _FLUSH,
     PREFILL_CHUNK,
@@ -170,14 +171,12 @@ class BatchDecoder:
         widths = self._widths(rows)
         width = max(widths)
         with mx.stream(generation_stream):
-            inputs, proposals = [], []
-            for row, w in zip(rows, widths):
-                proposal = self._propose(row, w)
+            inputs, proposals = [], self._propose(rows, widths)
+            for row, w, proposal in zip(rows, widths, proposals):
                 tokens = row.last if w == 1 else mx.concatenate([row.last, proposal[0]])
                 if w < width:  # right padding: computed, never kept
                     tokens = mx.concatenate([tokens, mx.zeros((width - w,), mx.int32)])
                 inputs.append(tokens)
-                proposals.append(proposal)
             self.cache.layout.reserve(width)
             recording = self.target.hooks.recording() if width > 1 else contextlib.nullcontext()
             with recording as record:
@@ -206,16 +205,29 @@ class BatchDecoder:
         self.last_pass = (len(rows), len(rows) * width)
         self.histogram[len(rows)] = self.histogram.get(len(rows), 0) + 1
 
-    def _propose(self, row: _Row, width: int) -> tuple[Any, Any, Any]:
-        """(drafts, log q, penalty history) of a row; no drafter pass for a plain row."""
-        d = row.decoder
-        history = d._history_tail() if d.sampler.processors else None
-        if width == 1:
-            return None, None, history
-        mask = mx.full((width - 1,), d.draft.config.mask_token_id, dtype=mx.int32)
-        block = mx.concatenate([row.last, mask])[None]
-        drafts, log_q = d.draft.propose(block, d._take_context(), d.draft_cache, d.sampler, history)
-        return drafts.astype(mx.int32), log_q, history
+    @staticmethod
+    def _propose(rows: list[_Row], widths: list[int]) -> list[tuple[Any, Any, Any]]:
+        """(drafts, log q, penalty history) per row, the drafting rows in one drafter pass
+        where they can (``batch_draft.py``); no drafter pass for a plain row."""
+        out: list[tuple[Any, Any, Any]] = []
+        drafting: list[DraftRow] = []
+        for row, width in zip(rows, widths):
+            d = row.decoder
+            history = d._history_tail() if d.sampler.processors else None
+            out.append((None, None, history))
+            if width > 1:
+                mask = mx.full((width - 1,), d.draft.config.mask_token_id, dtype=mx.int32)
+                block = mx.concatenate([row.last, mask])[None]
+                context = d._take_context()
+                drafting.append(
+                    DraftRow(d.draft, block, context, d.draft_cache, d.sampler, history)
+                )
+        proposals = iter(propose_rows(drafting))
+        for i, width in enumerate(widths):
+            if width > 1:
+                drafts, log_q = next(proposals)
+                out[i] = (drafts.astype(mx.int32), log_q, out[i][2])
+        return out
 
     @staticmethod
     def _score(
