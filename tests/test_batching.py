@@ -267,16 +267,18 @@ def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) ->
     """Rows with different context lengths and widths, drafted together: each row's draft
     distribution (log q) and drafts equal its own pass; the context caches end the same."""
     from dflash_server.generation.batch_draft import DraftRow, propose_rows
+    from dflash_server.models.window import apply_draft_window
 
     model, _ = tiny_hybrid
     draft = random_drafter(model, block_size=8)
+    apply_draft_window(draft, 10, sinks=2)  # the server's sink window: rows drop context
     features = len(draft.config.target_layer_ids) * 64
     params = SamplingParams(temperature=0.8)
     mask = draft.config.mask_token_id
 
     def rows() -> list[DraftRow]:
         out = []
-        for i, (context, width) in enumerate([(5, 8), (13, 3), (9, 6)]):
+        for i, (context, width) in enumerate([(5, 8), (23, 3), (9, 6)]):
             cache = draft.make_cache()
             taps = mx.random.normal((1, context, features), key=mx.random.key(i))
             draft.append_context(taps[:, :-2], cache)  # some context cached, some new

@@ -5,7 +5,8 @@ Each row keeps its own context cache (committed positions only). For the plain D
 left-padded to the longest, its block right-padded to the widest, and a mask that hides the
 padding, so a row's block sees exactly what it sees alone (its own context and its own block,
 bidirectionally), with RoPE at its own positions. Other drafters (sliding windows, DFlash2's
-convolutions), or a drafter only one row uses, propose row by row as alone.
+convolutions), or a drafter only one row uses, propose row by row as alone. The server's sink
+window (``models/window.py``) is fine: its cache drops old context itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import mlx.core as mx
 
 from dflash_server.models.context import ContextCache
 from dflash_server.models.drafter import DFlashDecoderLayer, DFlashDraftModel
+from dflash_server.models.window import SinkContextCache
 
 
 @dataclass
@@ -47,7 +49,9 @@ def _batchable(row: DraftRow) -> bool:
         and not layer.self_attn.causal
         for layer in base.layers
     )
-    caches_ok = all(type(c) is ContextCache and c.max_size is None for c in row.cache)
+    # Full context, or the server's sink window (which drops old entries itself: no mask).
+    caches_ok = all(type(c) in (ContextCache, SinkContextCache) for c in row.cache)
+    caches_ok = caches_ok and all(c.max_size is None for c in row.cache if type(c) is ContextCache)
     return layers_ok and caches_ok
 
 
@@ -89,15 +93,17 @@ def _together(rows: list[DraftRow]) -> list[tuple[mx.array, mx.array | None]]:
     ]
     h = bound.embed_tokens(mx.stack(blocks))
     offsets = mx.array([row.cache[0].offset for row in rows])
-    lengths = [row.cache[0].size for row in rows]
-    longest = max(lengths)
-    # [rows, 1, width, longest + width]: a row's own context, then its own block positions.
-    ctx_cols = mx.arange(longest)[None] >= mx.array([longest - n for n in lengths])[:, None]
     block_cols = mx.arange(width)[None] < mx.array(widths)[:, None]
-    visible = mx.concatenate([ctx_cols, block_cols], axis=1)[:, None, None, :]
-    visible = mx.broadcast_to(visible, (len(rows), 1, width, longest + width))
     for layer_index, layer in enumerate(base.layers):
         contexts = [row.cache[layer_index].fetch() for row in rows]
+        if any(ctx is None for ctx in contexts):
+            raise RuntimeError("a drafting row has no context (its prefill fed none)")
+        lengths = [ctx[0].shape[2] for ctx in contexts]
+        longest = max(lengths)
+        # [rows, 1, width, longest + width]: a row's own context, then its own block.
+        ctx_cols = mx.arange(longest)[None] >= mx.array([longest - n for n in lengths])[:, None]
+        visible = mx.concatenate([ctx_cols, block_cols], axis=1)[:, None, None, :]
+        visible = mx.broadcast_to(visible, (len(rows), 1, width, longest + width))
         h = _layer(layer, h, contexts, lengths, longest, offsets, visible)
     logits = bound.logits(base.norm(h)[:, 1:])
     out = []
@@ -112,8 +118,6 @@ def _together(rows: list[DraftRow]) -> list[tuple[mx.array, mx.array | None]]:
 def _padded(contexts: list[Any], lengths: list[int], longest: int, part: int) -> mx.array:
     rows = []
     for ctx, n in zip(contexts, lengths):
-        if ctx is None:
-            raise RuntimeError("a drafting row has no context (its prefill fed none)")
         x = ctx[part]
         if n < longest:
             pad = mx.zeros((*x.shape[:2], longest - n, x.shape[3]), x.dtype)
