@@ -97,7 +97,7 @@ class Engine:
         loader: LoaderFn,
         *,
         max_queue: int = 8,
-        max_active: int = 1,
+        max_active: int | None = 1,
         prefill_step_size: int = 2048,
         generate: GenerateFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
@@ -115,7 +115,9 @@ class Engine:
         self._generate = generate or self._run_request
         self._on_fatal = on_fatal
         self.max_queue = max_queue
-        self.max_active = max(1, max_active)
+        # None: decided at load (batched: the rows a pass supports, at least 4; else 4).
+        self._auto_active = max_active is None
+        self.max_active = 4 if max_active is None else max(1, max_active)
         self.prefill_step_size = prefill_step_size
         self.state = "loading"
         self.error: str | None = None
@@ -219,6 +221,15 @@ class Engine:
             taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
             target = TargetModel.of(self.models.model, taps)
             self.batch = BatchDecoder(target, self.max_verify)
+            if draft is not None and "cycle_costs" in self.models.summary:  # measured at load
+                from dflash_server.generation.batch_budget import measure_pass_costs
+
+                self.batch.costs = measure_pass_costs(target, draft)
+                log.info("%s", self.batch.costs.describe())
+        if self._auto_active:
+            supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
+            self.max_active = max(4, supported)
+            log.info("max_active: %d requests at once", self.max_active)
         self.state = "ready"
         self._ready.set()
         try:

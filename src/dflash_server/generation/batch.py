@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from dflash_server.generation.batch_budget import PassCosts, choose_widths
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
 from dflash_server.generation.batch_draft import DraftRow, propose_rows
 from dflash_server.generation.speculative import (
@@ -63,8 +64,9 @@ class _Row:
 class BatchDecoder:
     """The running rows of one target model and their shared cache; ``step`` runs one pass.
 
-    ``max_verify`` caps the positions one pass verifies (rows x width): when the rows' chosen
-    widths would exceed it, the widest are narrowed (None: no cap).
+    ``costs`` (measured pass costs, ``batch_budget.py``) caps the adaptive rows' widths where
+    the batch commits the most tokens per second; ``max_verify`` caps the positions one pass
+    verifies (rows x width): the widest rows are narrowed to fit (None: no cap).
     """
 
     def __init__(self, target: TargetModel, max_verify: int | None = None) -> None:
@@ -75,6 +77,7 @@ class BatchDecoder:
         self.passes = 0
         self.last_pass: tuple[int, int] = (0, 0)  # (rows, verified positions) of the last pass
         self.histogram: dict[int, int] = {}  # rows in a pass -> passes
+        self.costs: PassCosts | None = None  # measured pass costs: the verify budget
 
     def supports(self, decoder: SpeculativeDecoder) -> bool:
         """Whether this request can run as a row (same model and taps, plain KV / GDN caches)."""
@@ -148,6 +151,8 @@ class BatchDecoder:
 
     def _widths(self, rows: list[_Row]) -> list[int]:
         widths = [r.decoder.policy.next_size(r.room) for r in rows]
+        if self.costs is not None and len(rows) > 1:  # the verify budget (batch_budget.py)
+            widths = choose_widths([r.decoder for r in rows], widths, self.costs)
         if self.max_verify is not None:
             while max(widths) > 1 and len(rows) * max(widths) > self.max_verify:
                 top = max(widths)
