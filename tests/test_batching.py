@@ -293,3 +293,31 @@ def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) ->
         assert d1.tolist() == d2.tolist()
         assert mx.allclose(q1, q2, atol=1e-4).item()
         assert [c.offset for c in a.cache] == [c.offset for c in b.cache]
+
+
+def test_verify_budget_caps_widths_where_the_batch_gains(tiny_hybrid: tuple[Any, Any]) -> None:
+    from dflash_server.generation.batch_budget import PassCosts, choose_widths
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.generation.costs import CostModel
+
+    model, _ = tiny_hybrid
+    inner = random_drafter(model)
+    one = CostModel(plain=0.01, verify={2: 0.011, 16: 0.02}, draft={2: 0.002, 16: 0.004})
+
+    def row(rate: float) -> SpeculativeDecoder:
+        policy = BlockController(16, one.copy())
+        policy.acceptance.rate = rate
+        policy.acceptance.tried = [0.0] * 15
+        return make_decoder(model, inner, 16, policy=policy)
+
+    fixed = make_decoder(model, inner, 8)
+    rows = [row(0.9), row(0.9), fixed, make_decoder(model, None, 1)]
+    wanted = [16, 12, 8, 1]
+    # Compute-bound passes: wide verifies cost rows x width, so plain rows win (the fixed row
+    # keeps its width: a fixed block is the request's own choice).
+    steep = PassCosts({1: 0.01, 4: 0.04}, {4: 0.04, 16: 0.16, 64: 0.64})
+    assert choose_widths(rows, wanted, steep) == [8, 8, 8, 1]
+    # Memory-bound passes: a wide verify costs little more than a plain one; keep the widths.
+    flat = PassCosts({1: 0.01, 4: 0.011}, {4: 0.012, 16: 0.0125, 64: 0.013})
+    assert choose_widths(rows, wanted, flat) == wanted
+    assert flat.rows_supported() == 16 and steep.rows_supported() == 1
