@@ -36,8 +36,8 @@ from mlx_lm.generate import BatchGenerator, generate_step
 
 from dflash_server import load
 from dflash_server.generation.batch import BatchDecoder, drive
+from dflash_server.generation.calibrate import measure_costs
 from dflash_server.generation.controller import BlockController, SharedPrior
-from dflash_server.generation.costs import costs_for
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import PREFILL_CHUNK, SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -60,8 +60,8 @@ class Setup:
         self.prompt = list(tokenizer.encode(PROMPT))
         vocab = find_target_parts(self.model).vocab_size
         self.inner = random_drafter(self.model, block_size=16, mask_id=vocab - 1)
-        self.target = TargetModel.of(self.model, self.inner.config.target_layer_ids)
-        self.costs = costs_for(self.model, self.inner)
+        self.target = TargetModel(self.model, self.inner.config.target_layer_ids)
+        self.costs = measure_costs(self.model, self.inner)
         self.n = args.tokens
         steps = generate_step(mx.array(self.prompt), self.model, max_tokens=self.n + 16)
         self.reference = [t for t, _ in steps]
@@ -71,8 +71,8 @@ class Setup:
         draft = ReplayDrafter(self.prompt + self.reference, [tau - 1], self.inner)
         policy = BlockController(16, self.costs.copy(), prior=self.prior)
         return SpeculativeDecoder(
-            self.target, draft, TokenSampler(SamplingParams(), 0), 16,
-            prefill_step_size=prefill_step_size, policy=policy,
+            self.target, draft, TokenSampler(SamplingParams(), 0), policy,
+            prefill_step_size=prefill_step_size,
         )  # fmt: skip
 
 

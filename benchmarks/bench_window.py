@@ -40,7 +40,7 @@ from bench_dflash import PROMPT, random_drafter
 def draft_cost(model, tokenizer, args) -> dict:
     vocab = find_target_parts(model).vocab_size
     draft = random_drafter(model, block_size=16, mask_id=vocab - 1)
-    target = TargetModel.of(model, draft.config.target_layer_ids)
+    target = TargetModel(model, draft.config.target_layer_ids)
     ids = tokenizer.encode(PROMPT * (args.context // 16 + 1))[: args.context]
     start = time.perf_counter()
     cache, taps = target.make_cache(), []

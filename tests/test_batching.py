@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_server.generation.batch import BatchDecoder, drive
+from dflash_server.generation.controller import FixedBlock
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import PREFILL_CHUNK, SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -50,7 +51,8 @@ class Scripted:
 def make_decoder(model: Any, draft: Any, block: int, **kw: Any) -> SpeculativeDecoder:
     taps = draft.config.target_layer_ids if draft is not None else ()
     sampler = TokenSampler(kw.pop("sampling", SamplingParams()), kw.pop("seed", None))
-    return SpeculativeDecoder(TargetModel.of(model, tuple(taps)), draft, sampler, block, **kw)
+    policy = kw.pop("policy", None) or FixedBlock(block)
+    return SpeculativeDecoder(TargetModel(model, tuple(taps)), draft, sampler, policy, **kw)
 
 
 def tokens_of(commits: Any) -> list[int]:
@@ -60,7 +62,7 @@ def tokens_of(commits: Any) -> list[int]:
 def run_batched(model: Any, specs: dict[str, tuple], start: dict[str, int] | None = None):
     """specs: key -> (decoder factory, prompt, max_tokens); returns key -> tokens, and the batch."""
     inner = random_drafter(model)
-    batch = BatchDecoder(TargetModel.of(model, tuple(inner.config.target_layer_ids)))
+    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
     streams = {k: batch.join(make(), prompt, n) for k, (make, prompt, n) in specs.items()}
     out: dict[str, list[int]] = {k: [] for k in specs}
     for key, commit in drive(batch, streams, start):
@@ -99,7 +101,7 @@ def test_rows_joining_and_leaving_equal_lone_runs(target: tuple[Any, Any]) -> No
 def collect(model: Any, specs: dict[str, tuple], start: dict[str, int] | None = None):
     """Like ``run_batched`` but keeps the commits (for logprobs)."""
     inner = random_drafter(model)
-    batch = BatchDecoder(TargetModel.of(model, tuple(inner.config.target_layer_ids)))
+    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
     streams = {k: batch.join(make(), prompt, n) for k, (make, prompt, n) in specs.items()}
     out: dict[str, list[Any]] = {k: [] for k in specs}
     for key, commit in drive(batch, streams, start):
@@ -146,7 +148,7 @@ def test_cancelled_row_leaves_and_others_go_on(target: tuple[Any, Any]) -> None:
     model, tokenizer = target
     inner = random_drafter(model)
     ids = [list(tokenizer.encode(p)) for p in PROMPTS]
-    batch = BatchDecoder(TargetModel.of(model, tuple(inner.config.target_layer_ids)))
+    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
     makes = [lambda: make_decoder(model, inner, 4), lambda: make_decoder(model, inner, 8),
              lambda: make_decoder(model, None, 1)]  # fmt: skip
     streams = [batch.join(make(), p, 40) for make, p in zip(makes, ids)]
@@ -233,7 +235,7 @@ def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> Non
     prompt = list(tokenizer.encode("The quick brown"))
     params = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
     inner = random_drafter(model, block_size=4)
-    target = TargetModel.of(model, tuple(inner.config.target_layer_ids))
+    target = TargetModel(model, tuple(inner.config.target_layer_ids))
 
     def law(prefix: list[int]) -> dict[int, float]:
         sampler = TokenSampler(params)

@@ -118,7 +118,7 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels, batchi
         engine.stop()
     if batching == "batched":
         assert max(engine.batch.histogram) >= 4 and engine.active_rows == 0
-        sizes = [results[0][-1].stats["batch_histogram"], results[2][-1].stats["batch_histogram"]]
+        sizes = [results[0][-1].stats.batch_histogram, results[2][-1].stats.batch_histogram]
         assert all(max(h) >= 4 for h in sizes), sizes  # the stats say the batches it ran in
     for job, events in zip(jobs, results):
         assert isinstance(events[-1], Finished), events[-1]
@@ -194,9 +194,8 @@ def test_long_prefill_yields_to_running_streams(models: LoadedModels, batching: 
     for a, b in itertools.pairwise(chunks):
         between = {key for key, kind in order[a:b] if kind == "tokens"}
         assert between == {5, 6}, order[a:b]
-    for job in jobs:
-        from dflash_server.generation.stream import generate
+    from dflash_server.generation.stream import generate
 
-        m = models
-        lone = generate(m.model, m.draft, m.tokenizer, job.request, prefill_step_size=8)
+    for job in jobs:
+        lone = generate(models.pair, job.request, prefill_step_size=8)
         assert outputs[job.request.prompt[0]] == [t for r in lone for t in r.tokens]

@@ -20,19 +20,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dflash_server.generation.prefix import PromptSnapshot
+from dflash_server.generation.prefix import PromptSnapshot, common_prefix
 
 if TYPE_CHECKING:
     from dflash_server.engine.prefix_disk import PrefixDisk
 
 log = logging.getLogger("dflash_server")
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 @dataclass

@@ -7,8 +7,8 @@ never stalls the other streams for more than a chunk. Every request keeps its ow
 its ``stream_generate`` generator, so interleaving changes no request's tokens, and a short
 request finishes while a long one is still running. With ``batching="batched"`` the requests
 past their prefill run as rows of one ``BatchDecoder`` instead: each round is one batched pass
-(a drafter pass per speculating row, one target verify for all), then every request's step reads
-its row's tokens; outputs are still those of a lone run.
+(one drafter pass for the drafting rows, one target verify for all), then every request's step
+reads its row's tokens; outputs are still those of a lone run.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
 event loop and stops at its next step.
 """
@@ -20,8 +20,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+
+from dflash_server.chat.logprobs import TokenTexts, token_logprobs
 from dflash_server.engine.jobs import (
     EngineNotReady,
     Event,
@@ -29,16 +31,14 @@ from dflash_server.engine.jobs import (
     Finished,
     Job,
     QueueFull,
+    RequestTimings,
     TextChunk,
 )
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
-from dflash_server.engine.logprobs import TokenTexts, token_logprobs
 from dflash_server.engine.prefix_cache import PrefixCache
+from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.request import GenerationRequest
-
-if TYPE_CHECKING:
-    from dflash_server.generation.batch import BatchDecoder
-    from dflash_server.generation.stream import GenerationResponse
+from dflash_server.generation.stream import GenerationResponse, generate
 
 log = logging.getLogger("dflash_server")
 SHUTDOWN = "server is shutting down"
@@ -47,7 +47,7 @@ SHUTDOWN = "server is shutting down"
 BATCHING = ("interleave", "batched")
 
 # One request's generation on the resident models: a response per cycle (the first: prefill).
-GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator["GenerationResponse"]]
+GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator[GenerationResponse]]
 LoaderFn = Callable[[], LoadedModels]
 
 
@@ -211,21 +211,8 @@ class Engine:
             log.exception("model loading failed")
             self._fail(f"model loading failed: {exc}")
             return
-        from dflash_server.generation.stream import WiredLimit
-
         if self.batching == "batched":
-            from dflash_server.generation.batch import BatchDecoder
-            from dflash_server.generation.target import TargetModel
-
-            draft = self.models.draft
-            taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
-            target = TargetModel.of(self.models.model, taps)
-            self.batch = BatchDecoder(target, self.max_verify)
-            if draft is not None and "cycle_costs" in self.models.summary:  # measured at load
-                from dflash_server.generation.batch_budget import measure_pass_costs
-
-                self.batch.costs = measure_pass_costs(target, draft)
-                log.info("%s", self.batch.costs.describe())
+            self._make_batch()
         if self._auto_active:
             supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
             self.max_active = max(4, supported)
@@ -233,7 +220,7 @@ class Engine:
         self.state = "ready"
         self._ready.set()
         try:
-            with WiredLimit.of(self.models.model).held():  # for the engine's lifetime
+            with self.models.pair.wired.held():  # for the engine's lifetime
                 while self._round():
                     pass
         finally:
@@ -243,6 +230,17 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.close()
 
+    def _make_batch(self) -> None:
+        """The batch of this pair; with the cycle costs measured at load, its pass costs too."""
+        from dflash_server.generation.batch_budget import measure_pass_costs
+
+        assert self.models is not None
+        pair = self.models.pair
+        self.batch = BatchDecoder(pair.target, self.max_verify)
+        if pair.draft is not None and pair.measured is not None:
+            self.batch.costs = measure_pass_costs(pair.target, pair.draft)
+            log.info("%s", self.batch.costs.describe())
+
     def _round(self) -> bool:
         """Admit waiting jobs up to ``max_active``, then step each active one once."""
         with self._cond:
@@ -250,7 +248,7 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return False
-            admitted = []
+            admitted: list[Job] = []
             while self._pending and len(self._active) + len(admitted) < self.max_active:
                 admitted.append(self._pending.popleft())
         for job in admitted:
@@ -285,12 +283,8 @@ class Engine:
     def _run_request(
         self, models: LoadedModels, request: GenerationRequest
     ) -> Iterator[GenerationResponse]:
-        from dflash_server.generation.stream import generate
-
         return generate(
-            models.model,
-            models.draft,
-            models.tokenizer,
+            models.pair,
             request,
             prefill_step_size=self.prefill_step_size,
             prefix=self.prefix_cache,
@@ -306,14 +300,12 @@ class Engine:
         m = self.models
         job.started = time.monotonic()
         if log.isEnabledFor(logging.DEBUG):  # prompt text only ever at debug level
-            log.debug("request prompt: %r", m.tokenizer.decode(job.request.prompt)[-2000:])
+            log.debug("request prompt: %r", m.pair.tokenizer.decode(job.request.prompt)[-2000:])
         if not self._active:
-            import mlx.core as mx
-
             mx.reset_peak_memory()  # the peak of the busy period that starts here
         texts = None
         if job.request.logprobs is not None:
-            texts = self._token_texts or TokenTexts(m.tokenizer)
+            texts = self._token_texts or TokenTexts(m.pair.tokenizer)
             self._token_texts = texts
         try:
             gen = self._generate(m, job.request)
@@ -329,7 +321,9 @@ class Engine:
             if run in self._active:
                 self._active.remove(run)
         try:
-            run.gen.close()
+            close = getattr(run.gen, "close", None)  # a generator's: frees its caches now
+            if close is not None:
+                close()
         except Exception:
             log.exception("closing a generation failed")
         elapsed = time.monotonic() - (run.job.started or run.job.created)
@@ -337,33 +331,36 @@ class Engine:
 
     def _finished(self, run: _Run) -> Finished:
         job, last = run.job, run.last
-        prompt_tokens = len(job.request.prompt)
-        stats: dict[str, Any] = {"speculative": job.request.speculative}
+        request = job.request
+        prompt_tokens = len(request.prompt)
+        done = Finished(
+            "length", prompt_tokens, 0, request.speculative, request.block.width, None, None
+        )
         if last is None:  # the generator yielded nothing at all
-            return Finished("length", prompt_tokens, 0, stats)
-        if last.stats is not None:
-            stats.update(last.stats.as_dict())
-        if job.request.speculative:
-            stats.setdefault("block_size", job.request.block_size)
-        stats.update(
+            return done
+        done.completion_tokens = run.produced
+        done.finish_reason = last.finish_reason or "length"
+        done.stop_sequence = last.stop
+        done.stats = last.stats
+        done.cached_tokens = last.stats.cached_tokens if last.stats is not None else 0
+        done.timings = RequestTimings(
+            queue_wait_s=round((job.started or job.created) - job.created, 3),
             prompt_tps=round(float(last.prompt_tps), 2),
             generation_tps=round(float(last.generation_tps), 2),
             peak_memory_gb=round(float(last.peak_memory), 3),
-            queue_wait_s=round((job.started or job.created) - job.created, 3),
         )
-        cached = last.stats.cached_tokens if last.stats is not None else 0
-        reason = last.finish_reason or "length"
-        done = Finished(reason, prompt_tokens, run.produced, stats, cached, last.stop)
-        speculation = "plain decoding"
-        if job.request.speculative and last.stats is not None:
+        speculation = "plain decoding" + (last.stats.batches() if last.stats is not None else "")
+        if request.speculative and last.stats is not None:
             speculation = last.stats.summary()  # tau, block sizes used, plain share, estimate
         log.info(
             "request: %d prompt (%s) + %d output tokens (%s), %.1f tok/s, %s",
             done.prompt_tokens,
-            f"prefix cache hit: {cached} reused" if cached else "prefix cache miss",
+            f"prefix cache hit: {done.cached_tokens} reused"
+            if done.cached_tokens
+            else "prefix cache miss",
             done.completion_tokens,
             done.finish_reason,
-            stats["generation_tps"],
+            done.timings.generation_tps,
             speculation,
         )
         return done

@@ -9,11 +9,12 @@ and caches rebind or reallocate on update, so a restored request never changes t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 KV = tuple[mx.array, mx.array]  # keys, values: [B, heads, tokens, head_dim]
@@ -44,10 +45,10 @@ class Checkpoint:
     @classmethod
     def take(cls, cache: list[Any], draft_cache: list[Any] | None) -> Checkpoint:
         # ArraysCache rebinds its slots on update: references are enough, no copies.
-        recurrent = [list(c.cache) for c in cache if isinstance(c, ArraysCache)]
-        draft = None
+        recurrent: list[list[Any]] = [list(c.cache) for c in cache if isinstance(c, ArraysCache)]
+        draft: list[KV | None] | None = None
         if draft_cache is not None and any(c.max_size for c in draft_cache):
-            draft = [c.snapshot()[:2] if c.max_size else None for c in draft_cache]
+            draft = [_window(c) if c.max_size else None for c in draft_cache]
         return cls(recurrent, draft)
 
     def arrays(self) -> list[mx.array]:
@@ -97,10 +98,7 @@ class PromptSnapshot:
 
     def restorable(self, limit: int) -> int:
         """The longest prefix, at most ``limit`` tokens, this snapshot can restore (0: none)."""
-        limit = min(limit, len(self.tokens))
-        if not self.recurrent:
-            return limit
-        return max((p for p in self.checkpoints if p <= limit), default=0)
+        return restorable(min(limit, len(self.tokens)), self.recurrent, self.checkpoints)
 
     def restore(self, length: int, cache: list[Any], draft_cache: list[Any] | None) -> None:
         """Load the state after ``length`` tokens into fresh caches."""
@@ -116,11 +114,17 @@ class PromptSnapshot:
         assert self.draft_kv is not None, "snapshot taken without the drafter"
         windows = checkpoint.draft if checkpoint is not None and checkpoint.draft else None
         for i, (c, (keys, values)) in enumerate(zip(draft_cache, self.draft_kv)):
-            if windows is not None and windows[i] is not None:
-                keys, values = windows[i]
-                c.restore((keys, values, length))
+            window = windows[i] if windows is not None else None
+            if window is not None:
+                c.restore((*window, length))
             else:  # full attention: the context from position 0, cut at ``length``
                 c.restore((keys[..., :length, :], values[..., :length, :], length))
+
+
+def _window(cache: Any) -> KV | None:
+    """A sliding drafter layer's live window (keys, values), if it holds any."""
+    snapshot = cache.snapshot()
+    return None if snapshot is None else (snapshot[0], snapshot[1])
 
 
 def _load_kv(cache: KVCache, pair: KV, length: int) -> None:
@@ -129,17 +133,16 @@ def _load_kv(cache: KVCache, pair: KV, length: int) -> None:
     cache.offset = length
 
 
-class PrefixStore(Protocol):
-    """Where the decoder finds and leaves prompt snapshots (the engine's prefix cache).
+def restorable(limit: int, recurrent: bool, checkpoints: Iterable[int]) -> int:
+    """How much of a prefix of ``limit`` tokens a snapshot restores: all of it from KV alone;
+    with recurrent state, only up to its last checkpoint at or before ``limit`` (0: none)."""
+    if not recurrent:
+        return limit
+    return max((p for p in checkpoints if p <= limit), default=0)
 
-    ``kind`` tells snapshots apart that hold different state for the same tokens (e.g. with or
-    without the drafter's context, other taps).
-    """
 
-    def lookup(self, kind: tuple, prompt: Sequence[int]) -> tuple[PromptSnapshot, int] | None:
-        """The snapshot to restore and how many tokens of ``prompt`` it restores."""
-        ...
-
-    def store(self, kind: tuple, snapshot: PromptSnapshot) -> None:
-        """Keep a prompt's snapshot for later requests."""
-        ...
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n

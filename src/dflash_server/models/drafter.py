@@ -12,7 +12,7 @@ these modules (``dflash2.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,17 +20,30 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from dflash_server.models.context import ContextCache
 from dflash_server.models.fused import Norm, rope_at
+from dflash_server.models.target_parts import find_target_parts
+from dflash_server.models.variants import (
+    OPTIONAL_DEFAULTS,
+    dflash_kwargs,
+    target_logit_scale,
+)
+from dflash_server.models.window import SinkContextCache, apply_draft_window
 
-if TYPE_CHECKING:
-    from dflash_server.generation.sampling import TokenSampler
 
+class DraftSampler(Protocol):
+    """What a drafter asks of the decoder's sampler (``generation.sampling.TokenSampler``)."""
 
-def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
-    """Taps spread over the target's depth, as the reference trainer picks them."""
-    if num_taps == 1:
-        return (num_target_layers // 2,)
-    step = (num_target_layers - 4) / (num_taps - 1)
-    return tuple(round(1 + i * step) for i in range(num_taps))
+    processors: list[Any]  # logits processors (penalties); empty when there are none
+
+    @property
+    def deterministic(self) -> bool:  # greedy or a black-box sampler: drafts carry no q
+        ...
+
+    def next_key(self) -> mx.array: ...
+    def process(self, logits: mx.array, history: mx.array) -> mx.array: ...
+    def logprobs(self, logits: mx.array) -> mx.array: ...
+    def propose(
+        self, draft_logits: mx.array, history: mx.array | None
+    ) -> tuple[mx.array, mx.array | None]: ...
 
 
 @dataclass
@@ -86,8 +99,6 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DFlashConfig:
         """Parse a drafter ``config.json`` (flat keys plus nested ``dflash_config``)."""
-        from dflash_server.models.variants import dflash_kwargs
-
         return cls(**dflash_kwargs(cfg))
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,8 +107,6 @@ class DFlashConfig:
         dflash = {"target_layer_ids": list(out.pop("target_layer_ids"))}
         dflash["mask_token_id"] = out.pop("mask_token_id")
         out["layer_types"] = list(out["layer_types"])
-        from dflash_server.models.variants import OPTIONAL_DEFAULTS
-
         for name, default in OPTIONAL_DEFAULTS.items():  # published v1 configs omit these
             if out.get(name) == default:
                 out.pop(name)
@@ -149,13 +158,11 @@ class DFlashAttention(nn.Module):
 
     def make_cache(self) -> ContextCache:
         if self.window is None and self.context_window is not None:
-            from dflash_server.models.window import SinkContextCache
-
             return SinkContextCache(*self.context_window)
         return ContextCache(None if self.window is None else self.window - 1)
 
     def _keys_values(
-        self, x: mx.array, offset: int, compiled: bool = False
+        self, x: mx.array, offset: int | mx.array, compiled: bool = False
     ) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
@@ -175,7 +182,7 @@ class DFlashAttention(nn.Module):
         q = mx.arange(L)[:, None]
         k = mx.arange(S + L)[None] - S
         visible = mx.ones((L, S + L), dtype=mx.bool_)
-        if far:
+        if far and self.window is not None:
             visible = (q - k < self.window) & (k - q < self.window)
         return visible & (k <= q) if self.causal else visible
 
@@ -225,7 +232,7 @@ class _BoundTarget:
 
 
 class DFlashDraftModel(nn.Module):
-    layer_class: type[nn.Module] = DFlashDecoderLayer
+    layer_class: type[DFlashDecoderLayer] = DFlashDecoderLayer
     family = "DFlash"  # the checkpoint layout it came from; load_draft sets it (e.g. "assistant")
 
     def __init__(self, config: DFlashConfig):
@@ -255,9 +262,6 @@ class DFlashDraftModel(nn.Module):
         A config left at multiplier 1 without softcap takes the target's own logit scale (as the
         reference does for "assistant" heads), so draft and target logits share one scale.
         """
-        from dflash_server.models.target_parts import find_target_parts
-        from dflash_server.models.variants import target_logit_scale
-
         parts = find_target_parts(target)
         check_pair(self.config, parts.hidden_size, parts.vocab_size, parts.num_layers)
         scale = (self.config.output_multiplier, self.config.final_logit_softcapping)
@@ -266,16 +270,21 @@ class DFlashDraftModel(nn.Module):
         self._bound = _BoundTarget(parts.embed_tokens, parts.lm_head, *scale)
         return self
 
+    def set_window(self, window: int | None) -> int | None:
+        """Bound the full-attention layers' context (docs/design.md, "Drafter window")."""
+        return apply_draft_window(self, window)
+
     def make_cache(self) -> list[ContextCache]:
         return [layer.self_attn.make_cache() for layer in self.layers]
 
     def append_context(self, target_hidden: mx.array, cache: list[ContextCache]) -> None:
         """Add committed positions' tapped features (``[B, S, L*H]``) to the context cache."""
         windows = [layer.self_attn.window for layer in self.layers]
+        widest = None if None in windows else max(w for w in windows if w is not None)
         skipped = 0
-        if None not in windows and target_hidden.shape[1] > max(windows) - 1:
+        if widest is not None and target_hidden.shape[1] > widest - 1:
             # Every layer slides: positions older than the widest window are never seen again.
-            skipped = target_hidden.shape[1] - (max(windows) - 1)
+            skipped = target_hidden.shape[1] - (widest - 1)
             target_hidden = target_hidden[:, skipped:]
         context = self.hidden_norm(self.fc(target_hidden))
         for layer, c in zip(self.layers, cache):
@@ -321,7 +330,7 @@ class DFlashDraftModel(nn.Module):
         block_ids: mx.array,
         target_hidden: mx.array | None,
         cache: list[ContextCache],
-        sampler: TokenSampler,
+        sampler: DraftSampler,
         history: mx.array | None,
     ) -> tuple[mx.array, mx.array | None]:
         """Drafts for block positions 1..B-1 and the log-probs ``log q`` they were drawn from

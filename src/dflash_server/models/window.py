@@ -46,7 +46,7 @@ class SinkContextCache(ContextCache):
         if have < self.sinks and self.offset == have:  # still filling the sinks
             take = min(self.sinks - have, keys.shape[2])
             new_k, new_v = keys[..., :take, :], values[..., :take, :]
-            if self.sink_keys is None:
+            if self.sink_keys is None or self.sink_values is None:
                 self.sink_keys, self.sink_values = mx.contiguous(new_k), mx.contiguous(new_v)
             else:
                 self.sink_keys = mx.concatenate([self.sink_keys, new_k], axis=2)
@@ -55,7 +55,7 @@ class SinkContextCache(ContextCache):
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         recent = super().fetch()
-        if self.sink_keys is None:
+        if self.sink_keys is None or self.sink_values is None:
             return recent
         if recent is None:  # restored with nothing but sinks
             return self.sink_keys, self.sink_values
@@ -97,11 +97,7 @@ def apply_draft_window(draft: Any, window: int | None, sinks: int = SINKS) -> in
     window = window or None
     if window is not None and window <= sinks:
         raise ValueError(f"draft window must be > {sinks} (its sink positions), got {window}")
-    layers = getattr(draft, "layers", None)
-    if layers is None:  # test doubles wrap a real drafter
-        inner = getattr(draft, "inner", None)
-        return None if inner is None else apply_draft_window(inner, window, sinks)
-    for layer in layers:
+    for layer in draft.layers:
         attn = layer.self_attn
         if attn.window is None:  # full attention; sliding layers keep their trained window
             object.__setattr__(attn, "context_window", None if window is None else (window, sinks))
