@@ -221,6 +221,7 @@ class BatchDecoder:
             history = d._history_tail() if d.sampler.processors else None
             out.append((None, None, history))
             if width > 1:
+                assert d.draft is not None and d.draft_cache is not None  # width > 1: drafting
                 mask = mx.full((width - 1,), d.draft.config.mask_token_id, dtype=mx.int32)
                 block = mx.concatenate([row.last, mask])[None]
                 context = d._take_context()
@@ -244,8 +245,9 @@ class BatchDecoder:
         if width == 1:
             if d.draft is not None and taps is not None:
                 d._context.append(taps)  # a plain row's taps still feed its drafter
-                if len(d._context) >= _FLUSH:
-                    d.draft.append_context(d._take_context(), d.draft_cache)
+                context = d._take_context() if len(d._context) >= _FLUSH else None
+                if context is not None and d.draft_cache is not None:
+                    d.draft.append_context(context, d.draft_cache)
             processed = d._finish_rows(logits[0], history, None)
             bonus = d.sampler.sample(processed)
             result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
@@ -269,7 +271,7 @@ def drive(
     round one pass, then one step of every started stream; ``start[key]`` delays a stream to
     that round. Yields (key, item) in order."""
     start = start or {}
-    waiting, active = dict(streams), {}
+    waiting, active = dict(streams), dict[K, Iterator[Any]]()
     rounds = 0
     while waiting or active:
         for key in [k for k in waiting if start.get(k, 0) <= rounds]:

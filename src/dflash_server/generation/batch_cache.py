@@ -81,8 +81,8 @@ class RaggedKVCache:
 
     def __init__(self, layout: RowLayout) -> None:
         self.layout = layout
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: Any = None  # mx.array once a row joined
+        self.values: Any = None
 
     @property
     def offset(self) -> mx.array:
@@ -169,8 +169,9 @@ class BatchCache:
         lay.rows -= 1
         lay.lengths.pop(row)
         if lay.rows == 0:  # an empty batch starts afresh
-            self.__init__([type(c) if isinstance(c, ArraysCache) else KVCache
-                           for c in self.layers])  # fmt: skip
+            fresh = BatchCache([ArraysCache if isinstance(c, ArraysCache) else KVCache
+                                for c in self.layers])  # fmt: skip
+            self.layout, self.layers, self.linear = fresh.layout, fresh.layers, fresh.linear
             return
         lay.valid, lay.offset = lay.valid[keep], lay.offset[keep]
         for c in self.layers:
@@ -199,7 +200,7 @@ class BatchCache:
         """Squeeze the holes out: each row's valid columns, in order, right-aligned at the new
         write column (one gather per buffer; RoPE positions are unchanged)."""
         lay = self.layout
-        valid = np.array(lay.valid[:, : lay.idx])
+        valid = np.array(lay.valid[:, : lay.idx], dtype=bool)
         longest = max(lay.lengths)
         index = np.zeros((lay.rows, longest), dtype=np.int32)
         for i, row in enumerate(valid):
@@ -210,8 +211,8 @@ class BatchCache:
             if isinstance(c, RaggedKVCache) and c.keys is not None:
                 c.keys = mx.take_along_axis(c.keys, gather, axis=2)
                 c.values = mx.take_along_axis(c.values, gather, axis=2)
-        cols = mx.arange(longest)[None]
-        lay.valid = cols >= mx.array([longest - n for n in lay.lengths])[:, None]
+        starts = mx.array([longest - n for n in lay.lengths])[:, None]
+        lay.valid = mx.arange(longest)[None] >= starts
         lay.idx = lay.capacity = longest
         mx.eval(self.state())
 

@@ -10,7 +10,7 @@ host sync per cycle; the next cycle is queued before the caller sees this cycle'
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -150,7 +150,7 @@ class SpeculativeDecoder:
             except StopIteration as done:
                 return done.value
 
-    def prefill_steps(self, prompt: list[int]) -> Iterator[None]:
+    def prefill_steps(self, prompt: list[int]) -> Generator[None, None, _Cycle]:
         """Feed the prompt in chunks (after what the prefix cache restores), yielding after
         each chunk but the last so a scheduler can run other work in between; return the first
         token as a (lazy) one-row cycle. With a prefix cache, chunks also end at the

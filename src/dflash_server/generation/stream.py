@@ -147,7 +147,9 @@ def generate(
             if finish is not None:
                 return
     finally:
-        commits.close()  # a batch row leaves its batch now, not when collected
+        close = getattr(commits, "close", None)  # a batch row leaves its batch now
+        if close is not None:
+            close()
 
 
 def stream_generate(
