@@ -10,7 +10,8 @@ runs it), three modes run the same requests:
 * ``mlx-batch``: mlx-lm's ``BatchGenerator``, plain batched decoding (no speculation).
 
 Rounds interleave the modes; reported: total tok/s (all streams' tokens over the wall time,
-prefills included), p50/p95 of the gap between a stream's consecutive token arrivals (a
+prefills included; ``decode_tok_s``: from the moment every stream has its first token), p50/p95
+of the gap between a stream's consecutive token arrivals (a
 speculative cycle's tokens arrive together: one gap), medians and paired ratios per round.
 Every stream's tokens must equal plain greedy. Then the stall test: 3 streams run while a
 ``--long``-token prompt prefills in ``--chunk``-token chunks; the largest gap of the 3 streams
@@ -36,6 +37,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 
 from dflash_server import load
 from dflash_server.generation.batch import BatchDecoder, drive
+from dflash_server.generation.batch_budget import measure_pass_costs
 from dflash_server.generation.calibrate import measure_costs
 from dflash_server.generation.controller import BlockController, SharedPrior
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
@@ -62,10 +64,17 @@ class Setup:
         self.inner = random_drafter(self.model, block_size=16, mask_id=vocab - 1)
         self.target = TargetModel(self.model, self.inner.config.target_layer_ids)
         self.costs = measure_costs(self.model, self.inner)
+        # The verify budget, as the engine measures it at load.
+        self.pass_costs = measure_pass_costs(self.target, self.inner)
         self.n = args.tokens
         steps = generate_step(mx.array(self.prompt), self.model, max_tokens=self.n + 16)
         self.reference = [t for t, _ in steps]
         self.prior = SharedPrior()
+
+    def batch(self) -> BatchDecoder:
+        batch = BatchDecoder(self.target)
+        batch.costs = self.pass_costs
+        return batch
 
     def decoder(self, tau: int, prefill_step_size: int = 2048) -> SpeculativeDecoder:
         draft = ReplayDrafter(self.prompt + self.reference, [tau - 1], self.inner)
@@ -112,7 +121,7 @@ def run(setup: Setup, mode: str, streams: int, tau: int) -> dict:
                     except StopIteration:
                         del gens[i]
         else:
-            batch = BatchDecoder(setup.target)
+            batch = setup.batch()
             gens = {
                 i: stamped(batch.join(d, prompt, n), arrivals[i]) for i, d in enumerate(decoders)
             }
@@ -122,8 +131,13 @@ def run(setup: Setup, mode: str, streams: int, tau: int) -> dict:
     for t in tokens:
         assert t == setup.reference[:n], f"{mode}: a stream differs from plain greedy"
     gaps = [b[0] - a[0] for a_s in arrivals for a, b in itertools.pairwise(a_s)]
+    # Decode phase: once every stream has its first token (prefills done), to the end.
+    begin = max(a_s[0][0] for a_s in arrivals)
+    end = max(a_s[-1][0] for a_s in arrivals)
+    later = sum(k for a_s in arrivals for t, k in a_s if t > begin)
     return {
         "tok_s": streams * n / wall,
+        "decode_tok_s": later / max(end - begin, 1e-9),
         "gap_p50_ms": 1e3 * statistics.median(gaps),
         "gap_p95_ms": 1e3 * statistics.quantiles(gaps, n=20)[-1],
     }
@@ -136,7 +150,7 @@ def stall(setup: Setup, mode: str, long: int, chunk: int, tau: int) -> dict:
     long_prompt = [(7 * i) % 1000 + 3 for i in range(long)]
     decoders = [setup.decoder(tau) for _ in range(3)]
     gens = {}
-    batch = BatchDecoder(setup.target)
+    batch = setup.batch()
     for i, d in enumerate(decoders):
         source = batch.join(d, setup.prompt, 10**6) if mode == "batched" else d.generate(
             setup.prompt, 10**6, yield_chunks=True)  # fmt: skip
@@ -180,9 +194,9 @@ def stall(setup: Setup, mode: str, long: int, chunk: int, tau: int) -> dict:
     }
 
 
-def paired(rounds: dict[str, list[dict]], a: str, b: str) -> float:
-    """Median over rounds of a/b tok/s within a round (machine load drifts between rounds)."""
-    ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rounds[a], rounds[b])]
+def paired(rounds: dict[str, list[dict]], a: str, b: str, key: str = "tok_s") -> float:
+    """Median over rounds of a/b within a round (machine load drifts between rounds)."""
+    ratios = [x[key] / y[key] for x, y in zip(rounds[a], rounds[b])]
     return round(statistics.median(ratios), 3)
 
 
@@ -200,6 +214,7 @@ def main() -> None:
 
     setup = Setup(args)
     print(setup.costs.describe(), flush=True)
+    print(setup.pass_costs.describe(), flush=True)
     results: dict = {"costs": setup.costs.as_dict(), "rows": [], "stall": {}}
     for tau in args.tau:
         for streams in args.streams:
@@ -218,6 +233,9 @@ def main() -> None:
                 **{m: med[m] for m in MODES},
                 "batched_vs_interleave": paired(rounds, "batched", "interleave"),
                 "batched_vs_mlx_batch": paired(rounds, "batched", "mlx-batch"),
+                "decode_batched_vs_mlx_batch": paired(
+                    rounds, "batched", "mlx-batch", "decode_tok_s"
+                ),
             }
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
