@@ -3,7 +3,8 @@
 ``t(1)`` is one plain decoding step; ``t(B)`` for ``B >= 2`` is one drafter pass plus one verify of
 ``B`` positions (with the recording it needs). ``measure_costs`` times pipelined plain steps, a few
 verify widths and the draft pass on a short context (a second or two); widths in between are
-interpolated linearly, which is how verify cost grows in the memory-bound regime (FACTS §8).
+interpolated linearly, which is how verify cost grows in the memory-bound regime (see
+docs/design.md, 'The cost model').
 
 The curve is then calibrated by a short real decode at each measured width (the loop's own host
 work, sync and bookkeeping, is what component timings miss), and each request refines its own

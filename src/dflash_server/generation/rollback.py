@@ -1,4 +1,6 @@
-"""Exact rollback of target caches after a partially accepted block (FACTS §5, options b/c).
+"""Exact rollback of target caches after a partially accepted block.
+
+See docs/design.md, 'Hybrid rollback'.
 
 Attention caches are trimmed. Gated DeltaNet layers keep a recurrent state that cannot be trimmed,
 so the verify pass is recorded (``models/hooks.py``) and rollback restores the state at the kept

@@ -206,7 +206,7 @@ class SpeculativeDecoder:
 
     def _apply_rollback(self) -> None:
         """Roll the target caches back after the last verify (deferred so that the next draft
-        is already running while the host builds these ops, FACTS §11)."""
+        is already running while the host builds these ops; docs/design.md, 'The DFlash loop')."""
         if self._pending is not None:
             keep, fed = self._pending
             self._pending = None
