@@ -98,11 +98,21 @@ def run_info() -> dict[str, Any]:
         "commit": commit,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
-        "processor": platform.processor() or None,
+        "processor": _processor(),
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
         "openblas": "openblas" in preload,
     }
+
+
+def _processor() -> str | None:
+    """The CPU's name (``platform.processor()`` is empty on most Linux machines)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or None
 
 
 def write_json(path: Path | None, result: Any) -> None:
