@@ -1,12 +1,14 @@
 """Server settings: one pydantic-settings class.
 
 Precedence, highest first: command-line flags > environment (``DFLASH_*``) > config file
-(``--config``, TOML or JSON; a bare name picks a preset from ``configs/``) > defaults. When no
+(``--config``, TOML or JSON; a bare name picks a preset shipped in ``dflash_server/presets``) >
+defaults. When no
 layer names a model at all, the default preset supplies target and drafter.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 from contextvars import ContextVar
@@ -30,9 +32,8 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
 
 DEFAULT_PRESET = "qwen3.5-4b"
-# Presets live at the repository root so users can read and copy them; an installed wheel
-# finds them only when run from a checkout, so --config also takes any file path.
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
+# Presets are package data, so a wheel install has them; the repo's configs/ links here.
+PRESETS = Path(str(importlib.resources.files("dflash_server") / "presets"))
 
 
 class SettingsError(ValueError):
@@ -40,12 +41,12 @@ class SettingsError(ValueError):
 
 
 def find_config(name_or_path: str | os.PathLike[str]) -> Path:
-    """Resolve ``--config``: an existing file, else a preset name (``qwen3.5-9b``) in configs/."""
+    """Resolve ``--config``: an existing file, else a shipped preset's name (``qwen3.5-9b``)."""
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
     for suffix in ("", ".toml", ".json"):
-        candidate = PRESETS_DIR / f"{name_or_path}{suffix}"
+        candidate = PRESETS / f"{name_or_path}{suffix}"
         if candidate.is_file():
             return candidate
     raise SettingsError(
@@ -55,10 +56,10 @@ def find_config(name_or_path: str | os.PathLike[str]) -> Path:
 
 
 def list_presets() -> list[str]:
-    """Names of the presets shipped in configs/."""
-    if not PRESETS_DIR.is_dir():
+    """Names of the shipped presets."""
+    if not PRESETS.is_dir():
         return []
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+    return sorted(p.stem for p in PRESETS.glob("*.toml"))
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -134,7 +135,7 @@ class Settings(BaseSettings, _SamplingDefaults):
         None, description="model id shown by /v1/models (default: last part of --target)"
     )
     config: str | None = Field(
-        None, description="TOML/JSON settings file, or a preset name from configs/"
+        None, description="TOML/JSON settings file, or a shipped preset's name"
     )
     hf_target: str | None = Field(
         None,
