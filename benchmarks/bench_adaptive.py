@@ -31,8 +31,8 @@ from common import (
     write_json,
 )
 from dflash_server import load
-from dflash_server.generation.controller import BlockController, SharedPrior
-from dflash_server.generation.costs import costs_for
+from dflash_server.generation.calibrate import measure_costs
+from dflash_server.generation.controller import BlockController, FixedBlock, SharedPrior
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -54,8 +54,7 @@ def ours(target, draft, prompt, n, mode, costs, prior) -> tuple[list[int], float
         target,
         None if mode == "plain" else draft,
         TokenSampler(SamplingParams(), 0),
-        width,
-        policy=policy,
+        policy or FixedBlock(width),
     )
     tokens, rate = decode_rate(decoder.generate(prompt, n))
     return tokens, rate, decoder.stats.as_dict()
@@ -76,8 +75,8 @@ def main() -> None:
     model, tokenizer = load(str(path))
     prompt = tokenizer.encode(PROMPT)
     inner = published_drafter(model, block_size=16)
-    target = TargetModel.of(model, inner.config.target_layer_ids)
-    costs = costs_for(model, inner)
+    target = TargetModel(model, inner.config.target_layer_ids)
+    costs = measure_costs(model, inner)
     print(costs.describe(), flush=True)
     reference, mlx_lm_rate = mlx_lm_plain(model, prompt, args.tokens)
     print(f"mlx-lm generate_step (plain, once): {mlx_lm_rate:.2f} tok/s", flush=True)

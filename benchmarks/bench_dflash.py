@@ -27,6 +27,7 @@ from mlx_lm.generate import generate_step
 
 from common import PROMPT, bench_target, published_drafter, timed, write_json
 from dflash_server import load, load_draft
+from dflash_server.generation.controller import FixedBlock
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -55,7 +56,7 @@ def component_times(
     t(draft) includes adding ``tau`` committed positions to the drafter's context, as each cycle
     does, then restores the context so every repeat sees the same one.
     """
-    target = TargetModel.of(model, draft.config.target_layer_ids)
+    target = TargetModel(model, draft.config.target_layer_ids)
     ids = mx.array((prompt * (context // len(prompt) + 1))[:context])[None]
     cache = target.make_cache()
     _, taps = target.forward(ids, cache, slice(-1, None))
@@ -95,20 +96,20 @@ def component_times(
 
 
 def run_dflash(model, draft, prompt, n, block, repeats) -> tuple[list[int], float, dict]:
-    target = TargetModel.of(model, draft.config.target_layer_ids)
+    target = TargetModel(model, draft.config.target_layer_ids)
     sampler = TokenSampler(SamplingParams(), seed=0)
     runs = []
     for _ in range(repeats):
         if isinstance(draft, ReplayDrafter):
             draft.cycle = 0
-        decoder = SpeculativeDecoder(target, draft, sampler, block)
+        decoder = SpeculativeDecoder(target, draft, sampler, FixedBlock(block))
         start, tokens = None, []
         for commit in decoder.generate(prompt, n):
             if start is None:
                 start = time.perf_counter()  # exclude prefill, as for plain decoding
             tokens.extend(commit.tokens)
         runs.append((len(tokens) - 1) / (time.perf_counter() - start))
-    profiled = SpeculativeDecoder(target, draft, sampler, block, profile=True)
+    profiled = SpeculativeDecoder(target, draft, sampler, FixedBlock(block), profile=True)
     if isinstance(draft, ReplayDrafter):
         draft.cycle = 0
     for _ in profiled.generate(prompt, n):

@@ -27,10 +27,11 @@ import mlx.core as mx
 from mlx_lm import load
 
 from common import bench_target, published_drafter, write_json
+from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
-from dflash_server.engine.prompts import render_chat
+from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.prefix import Checkpoint
-from dflash_server.generation.request import GenerationRequest
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from dflash_server.generation.target import TargetModel
 from dflash_server.testing import mask_token_id
@@ -77,16 +78,20 @@ def trace(tokenizer, system_words: int, turns: int, turn_words: int) -> list:
 def ttft(model, draft, tokenizer, prompt, cache, step: int) -> tuple[float, int]:
     """Seconds to the first token, and the prompt tokens the cache restored."""
     request = GenerationRequest(
-        tuple(prompt.tokens), 1, block_size=draft.config.block_size, checkpoints=prompt.checkpoints
+        tuple(prompt.tokens),
+        1,
+        block=BlockPolicy(draft.config.block_size),
+        checkpoints=prompt.checkpoints,
     )
     start = time.perf_counter()
-    out = list(generate(model, draft, tokenizer, request, prefill_step_size=step, prefix=cache))
+    pair = ModelPair.of(model, tokenizer, draft)
+    out = list(generate(pair, request, prefill_step_size=step, prefix=cache))
     return time.perf_counter() - start, out[-1].stats.cached_tokens
 
 
 def ideal(model, draft, prompt, start: int, step: int) -> float:
     """Prefill ``prompt[start:]`` on live caches that already hold ``prompt[:start]``."""
-    target = TargetModel.of(model, draft.config.target_layer_ids)
+    target = TargetModel(model, draft.config.target_layer_ids)
     cache, draft_cache = target.make_cache(), draft.make_cache()
     tokens = mx.array(prompt.tokens)[None]
 
@@ -107,8 +112,8 @@ def ideal(model, draft, prompt, start: int, step: int) -> float:
 
 
 def checkpoint_formula(model) -> int:
-    """Per Gated DeltaNet layer, recurrent state Hv*Dv*Dk fp32 plus the conv window (see
-    docs/design.md, 'Prefix cache internals')."""
+    """Per Gated DeltaNet layer, recurrent state Hv*Dv*Dk fp32 plus the conv window
+    (docs/design.md, "Prefix cache internals")."""
     args = model.args.text_config if hasattr(model.args, "text_config") else model.args
     cfg = args if isinstance(args, dict) else vars(args)
     gdn = sum(1 for layer in model.layers if hasattr(layer, "linear_attn"))
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _live_caches(model, draft, prompt) -> tuple[list, list]:
-    target = TargetModel.of(model, draft.config.target_layer_ids)
+    target = TargetModel(model, draft.config.target_layer_ids)
     cache, draft_cache = target.make_cache(), draft.make_cache()
     _, taps = target.forward(mx.array(prompt.tokens[:64])[None], cache)
     draft.append_context(taps, draft_cache)

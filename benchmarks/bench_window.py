@@ -34,7 +34,7 @@ from dflash_server.tools.common import decode
 
 def draft_cost(model, tokenizer, args) -> dict:
     draft = published_drafter(model, block_size=16)
-    target = TargetModel.of(model, draft.config.target_layer_ids)
+    target = TargetModel(model, draft.config.target_layer_ids)
     ids = tokenizer.encode(PROMPT * (args.context // 16 + 1))[: args.context]
     start = time.perf_counter()
     cache, taps = target.make_cache(), []

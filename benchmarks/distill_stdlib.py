@@ -13,7 +13,7 @@ Everything is offline and rebuilt from scratch (keep the recipe, not the weights
    same outputs asserted; tau and decode tokens/s (prefill excluded) are reported.
 
 Run with OpenBLAS preloaded (the mlx[cpu] wheel's reference BLAS is ~200x slower; see
-docs/development.md, 'OpenBLAS on Linux'):
+docs/development.md, "OpenBLAS on Linux"):
 
     LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 python benchmarks/distill_stdlib.py \\
         --work /tmp/distill --json /tmp/distill/result.json
@@ -178,23 +178,21 @@ def prepare_target(
 def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
     """Decode tokens/s per held-out prompt: plain, the fixed trained block and ``auto``
     (interleaved, medians of ``repeats``; the same tokens asserted)."""
-    from dflash_server.generation.controller import BlockController, SharedPrior
-    from dflash_server.generation.costs import costs_for
+    from dflash_server.generation.calibrate import measure_costs
+    from dflash_server.generation.controller import BlockController, FixedBlock, SharedPrior
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
     from dflash_server.generation.speculative import SpeculativeDecoder
     from dflash_server.generation.target import TargetModel
 
-    target = TargetModel.of(model, draft.config.target_layer_ids)
-    costs, block = costs_for(model, draft), draft.config.block_size
+    target = TargetModel(model, draft.config.target_layer_ids)
+    costs, block = measure_costs(model, draft), draft.config.block_size
     modes = {"plain": (None, 1, None), "fixed": (draft, block, None), "auto": (draft, block, 1)}
     prior = SharedPrior()  # as the server runs it: each request starts where the last one ended
 
     def run(prompt, mode):
         d, width, auto = modes[mode]
-        policy = BlockController(width, costs.copy(), prior=prior) if auto else None
-        decoder = SpeculativeDecoder(
-            target, d, TokenSampler(SamplingParams(), 0), width, policy=policy
-        )
+        policy = BlockController(width, costs.copy(), prior=prior) if auto else FixedBlock(width)
+        decoder = SpeculativeDecoder(target, d, TokenSampler(SamplingParams(), 0), policy)
         tokens, start = [], None
         for commit in decoder.generate(list(prompt), n):
             start = start or time.perf_counter()

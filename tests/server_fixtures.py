@@ -100,17 +100,19 @@ def real_generate(models: Any, request: Any) -> Iterator[Any]:
     """The engine's own generation (``dflash_server.generation.stream.generate``), for wrappers."""
     from dflash_server.generation.stream import generate
 
-    return generate(models.model, models.draft, models.tokenizer, request)
+    return generate(models.pair, request)
 
 
 def make_job(prompt: list[int], max_tokens: int, **fields: Any) -> Any:
     """An engine ``Job`` for ``prompt``: plain decoding unless ``block_size`` > 1; sampling
     fields (temperature, ...) by name."""
     from dflash_server.engine.jobs import Job
-    from dflash_server.generation.request import GenerationRequest
+    from dflash_server.generation.request import BlockPolicy, GenerationRequest
     from dflash_server.generation.sampling import SamplingParams
 
     sampling = {k: fields.pop(k) for k in list(fields) if k in SamplingParams.model_fields}
+    if "block_size" in fields:
+        fields["block"] = BlockPolicy(fields.pop("block_size"))
     return Job(GenerationRequest(tuple(prompt), max_tokens, SamplingParams(**sampling), **fields))
 
 
@@ -135,16 +137,16 @@ class ScriptedGenerate:
         self.finished = 0
 
     def __call__(self, models: Any, request: Any) -> Iterator[Any]:
-        draft = models.draft if request.speculative else None
+        draft = models.pair.draft if request.speculative else None
         self.calls.append({"request": request, "prompt": list(request.prompt), "draft": draft})
         return self._run(request.max_tokens, request.stop)
 
     def _run(self, max_tokens: int, stop: tuple[str, ...] = ()) -> Iterator[Any]:
-        from dflash_server.generation.stream import _StopMatcher  # stop strings as generate does
+        from dflash_server.generation.text import StopMatcher  # stop strings as generate does
 
         time.sleep(self.first_delay)
         pieces = self.pieces[:max_tokens]
-        stops = _StopMatcher(stop)
+        stops = StopMatcher(stop)
         done = False
         try:
             for i, piece in enumerate(pieces):

@@ -11,6 +11,7 @@ from mlx_lm.generate import generate_step
 from dflash_server import stream_generate
 from dflash_server.generation.controller import AcceptanceModel, BlockController
 from dflash_server.generation.costs import CostModel
+from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -53,9 +54,9 @@ def plain(model, ids, n=N) -> list[int]:
 
 
 def decode(model, draft, ids, policy, n=N, params=None, seed=0):
-    target = TargetModel.of(model, draft.config.target_layer_ids)
+    target = TargetModel(model, draft.config.target_layer_ids)
     sampler = TokenSampler(params or SamplingParams(), seed)
-    decoder = SpeculativeDecoder(target, draft, sampler, 16, policy=policy)
+    decoder = SpeculativeDecoder(target, draft, sampler, policy)
     tokens = [t for commit in decoder.generate(ids, n) for t in commit.tokens]
     return tokens, decoder.stats
 
@@ -246,7 +247,7 @@ def test_sampling_is_exact_with_changing_widths(tiny_hybrid):
         # The width depends on the seed: plain first, a 2-wide block, or a 3-wide one.
         script = [[1, 2], [2, 1], [3], [1, 1]][seed % 4]
         decoder = SpeculativeDecoder(
-            target, draft, TokenSampler(params, seed=seed), 4, policy=Scripted(script, 4)
+            target, draft, TokenSampler(params, seed=seed), Scripted(script, 4)
         )
         counts[tuple(t for commit in decoder.generate(prompt, 3) for t in commit.tokens)] += 1
     assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)
@@ -264,7 +265,7 @@ def test_auto_through_stream_generate(tiny_hybrid):
     # predictable again. One rejection after full blocks is not yet a turn: it takes a few.
     pattern = [15] * 4 + [0] * 6 + [15] * 200
     draft = ReplayDrafter(ids + reference, pattern, random_drafter(model))
-    draft.__dict__["_dflash_costs"] = (model, costs())  # no timing in tests
+    ModelPair.of(model, tokenizer, draft).measured = costs()  # no timing in tests
     out = list(stream_generate(model, draft, tokenizer, ids, "auto", max_tokens=n))
     assert [t for r in out for t in r.tokens] == reference
     stats = out[-1].stats
@@ -306,7 +307,7 @@ def test_a_new_request_starts_from_the_last_ones_acceptance():
 
 @pytest.mark.parametrize("family", ["DFlash", "DFlash2"])
 def test_measure_costs(tiny_hybrid, family):
-    from dflash_server.generation.costs import measure_costs
+    from dflash_server.generation.calibrate import measure_costs
     from dflash_server.testing import random_dflash2_drafter
 
     model, _ = tiny_hybrid

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from dflash_server import stream_generate
-from dflash_server.engine.logprobs import TokenTexts
-from dflash_server.engine.structured import GrammarConstraint, response_format_grammar
-from dflash_server.generation.stream import encode
+from dflash_server.chat.logprobs import TokenTexts
+from dflash_server.chat.structured import GrammarConstraint, response_format_grammar
+from dflash_server.generation.text import encode
 from server_fixtures import RunningServer, build_draft, make_app, run_server
 
 PROMPT = "def fibonacci(n):"

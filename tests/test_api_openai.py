@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from dflash_server import load_draft, stream_generate
-from dflash_server.engine.reasoning import split_reasoning
+from dflash_server.chat.reasoning import split_reasoning
 from server_fixtures import RunningServer, build_draft, make_app, run_server
 
 MESSAGES = [

@@ -8,9 +8,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from dflash_server.engine.budget import Both, Budgeted, ThinkingBudget
-from dflash_server.engine.structured import Grammar, response_format_grammar
-from dflash_server.generation.request import GenerationRequest
+from dflash_server.chat.budget import Both, Budgeted, ThinkingBudget
+from dflash_server.chat.structured import Grammar, response_format_grammar
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from dflash_server.testing import ReplayDrafter, random_drafter
 
@@ -68,8 +69,9 @@ def chat(tiny_hybrid: tuple[Any, Any]) -> tuple[Any, Any, list[int], int]:
 
 def _run(chat: Any, draft: Any, block: int, constraint: Any, n: int = 48) -> list[int]:
     model, tokenizer, prompt, _ = chat
-    request = GenerationRequest(tuple(prompt), n, block_size=block, constraint=constraint)
-    return [t for r in generate(model, draft, tokenizer, request) for t in r.tokens]
+    request = GenerationRequest(tuple(prompt), n, block=BlockPolicy(block), constraint=constraint)
+    pair = ModelPair.of(model, tokenizer, draft)
+    return [t for r in generate(pair, request) for t in r.tokens]
 
 
 @pytest.mark.parametrize("with_grammar", [False, True])

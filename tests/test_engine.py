@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from dflash_server.chat.prompts import render_chat, render_completion
+from dflash_server.chat.reasoning import ReasoningSplitter, split_reasoning
 from dflash_server.engine.loader import LoadedModels, ModelLoadError, load_models, resolve_model
-from dflash_server.engine.prompts import render_chat, render_completion
-from dflash_server.engine.reasoning import ReasoningSplitter, split_reasoning
 from dflash_server.engine.worker import (
     Engine,
     EngineNotReady,
@@ -92,9 +92,9 @@ def models(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def test_load_models_summary(models: LoadedModels) -> None:
     s = models.summary
-    assert models.context_length == 256 and models.draft_block_size == 8
-    assert s["block_size"] == 8 and s["target_quantization"] == "unquantized"
-    assert s["target_weights_gb"] > 0 and s["vocab_size"] > 0
+    assert s.context_length == 256 and models.pair.draft.config.block_size == 8
+    assert s.block_size == 8 and s.target_quantization == "unquantized"
+    assert s.target_weights_gb > 0 and s.vocab_size > 0
 
 
 def test_missing_models_are_one_line_errors(tmp_path: Path) -> None:
@@ -126,14 +126,14 @@ def test_jobs_run_in_order_with_params(models: LoadedModels) -> None:
     finally:
         engine.stop()
     assert [c["prompt"][-1] for c in gen.calls] == [0, 1, 2]  # FIFO
-    assert gen.calls[0]["request"].seed == 0 and gen.calls[0]["draft"] is models.draft
+    assert gen.calls[0]["request"].seed == 0 and gen.calls[0]["draft"] is models.pair.draft
     for events in results:
         text = "".join(e.text for e in events if isinstance(e, TextChunk))
         assert text == "abc"
         done = events[-1]
         assert isinstance(done, Finished) and done.finish_reason == "stop"
         assert done.completion_tokens == 3 and done.prompt_tokens == 3
-        assert done.stats["speculative"] is True and done.stats["block_size"] == 8
+        assert done.speculative is True and done.block_size == 8
 
 
 def test_plain_decoding_passes_no_drafter(models: LoadedModels) -> None:

@@ -8,6 +8,7 @@ import mlx_lm
 import pytest
 from mlx_lm.models import gated_delta, qwen3_5
 
+from dflash_server.generation.target import TargetModel
 from dflash_server.models.hooks import HookError, TargetHooks
 
 
@@ -45,4 +46,4 @@ def test_recurrence_called_another_way_fails_the_self_check(
 
     monkeypatch.setattr(qwen3_5.GatedDeltaNet, "__call__", call)
     with pytest.raises(HookError, match="0 of 3 Gated DeltaNet layers"):
-        TargetHooks.of(model)
+        TargetModel(model, ())

@@ -13,12 +13,13 @@ import httpx
 import mlx.core as mx
 import pytest
 
+from dflash_server.chat.prompts import render_chat
+from dflash_server.chat.structured import Grammar, response_format_grammar
 from dflash_server.engine.loader import load_models
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
-from dflash_server.engine.prompts import render_chat
-from dflash_server.engine.structured import Grammar, response_format_grammar
-from dflash_server.generation.request import GenerationRequest
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.sampling import SamplingParams
 from dflash_server.generation.stream import generate
 from dflash_server.testing import random_drafter
@@ -36,10 +37,16 @@ TURN2 = [
 
 def run(model, draft, tokenizer, prompt, cache, **kw) -> tuple[list[int], Any]:
     """Greedy tokens of one request and its last response (with stats)."""
+    block = BlockPolicy(kw.pop("block_size", 1))
     request = GenerationRequest(
-        tuple(prompt.tokens), kw.pop("max_tokens", 12), checkpoints=prompt.checkpoints, **kw
+        tuple(prompt.tokens),
+        kw.pop("max_tokens", 12),
+        checkpoints=prompt.checkpoints,
+        block=block,
+        **kw,
     )
-    out = list(generate(model, draft, tokenizer, request, prefill_step_size=16, prefix=cache))
+    pair = ModelPair.of(model, tokenizer, draft)
+    out = list(generate(pair, request, prefill_step_size=16, prefix=cache))
     return [t for r in out for t in r.tokens], out
 
 
@@ -142,17 +149,21 @@ def test_interleaved_requests_sharing_an_entry(
     """Engine with two active requests restored from the same entry, cycle by cycle."""
     draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path, block_size=4)
     models = load_models(str(tiny_hybrid_path), str(draft))
-    first = render_chat(models.tokenizer, TURN1, enable_thinking=True)
-    second = render_chat(models.tokenizer, TURN2, enable_thinking=True)
+    first = render_chat(models.pair.tokenizer, TURN1, enable_thinking=True)
+    second = render_chat(models.pair.tokenizer, TURN2, enable_thinking=True)
     cache = PrefixCache(BIG)
 
     def request(prompt) -> GenerationRequest:
         return GenerationRequest(
-            tuple(prompt.tokens), 30, SamplingParams(), block_size=4, checkpoints=prompt.checkpoints
+            tuple(prompt.tokens),
+            30,
+            SamplingParams(),
+            block=BlockPolicy(4),
+            checkpoints=prompt.checkpoints,
         )
 
     def text(prompt, cache) -> str:
-        out = generate(models.model, models.draft, models.tokenizer, request(prompt), prefix=cache)
+        out = generate(models.pair, request(prompt), prefix=cache)
         return "".join(r.text for r in out)
 
     warmed = PrefixCache(BIG)

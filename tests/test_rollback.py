@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from dflash_server.generation.controller import FixedBlock
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -42,7 +43,7 @@ def test_rollback_equals_fresh_prefill(request, monkeypatch, arch, accepted):
     reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=2 * BLOCK)]
     draft = ReplayDrafter(prompt + reference, [accepted], random_drafter(model))
     target = TargetModel(model, draft.config.target_layer_ids)
-    decoder = SpeculativeDecoder(target, draft, TokenSampler(SamplingParams()), BLOCK)
+    decoder = SpeculativeDecoder(target, draft, TokenSampler(SamplingParams()), FixedBlock(BLOCK))
 
     first, anchor = decoder._read(decoder.prefill(prompt), first=True)
     decoder._history += first.tokens

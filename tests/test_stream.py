@@ -86,7 +86,7 @@ def test_interleaved_generations_share_one_wired_limit(setup, monkeypatch):
     """The server interleaves generators; the wired limit is set once and restored once."""
     import contextlib
 
-    from dflash_server.generation import stream as stream_module
+    from dflash_server.generation import pair as pair_module
 
     events = []
 
@@ -96,7 +96,7 @@ def test_interleaved_generations_share_one_wired_limit(setup, monkeypatch):
         yield
         events.append("restore")
 
-    monkeypatch.setattr(stream_module, "wired_limit", fake_wired_limit)
+    monkeypatch.setattr(pair_module, "wired_limit", fake_wired_limit)
     model, tokenizer, ids, _, _ = setup
     a = stream_generate(model, None, tokenizer, ids, max_tokens=4)
     b = stream_generate(model, None, tokenizer, ids, max_tokens=8)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_server import stream_generate
-from dflash_server.engine.structured import (
+from dflash_server.chat.structured import (
     GrammarConstraint,
     StructuredOutputError,
     check_grammar,
@@ -205,7 +205,7 @@ WEATHER = {
 
 def test_forced_tool_call_grammar(tiny_hybrid) -> None:
     """tool_choice: the grammar makes even a random model write a complete, typed call."""
-    from dflash_server.engine.tool_calls import split_tool_calls
+    from dflash_server.chat.tool_calls import split_tool_calls
 
     model, tokenizer = tiny_hybrid
     grammar = tool_call_grammar(tokenizer, [WEATHER], ["get_weather"], parallel=False)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from dflash_server.engine.tool_calls import (
+from dflash_server.chat.tool_calls import (
     ToolCall,
     ToolCallParser,
     coerce_value,

@@ -52,7 +52,7 @@ def test_batched_training_forward_equals_inference(tiny_hybrid, window):
         sliding = DFlashDraftModel(DFlashConfig(**cfg))
         sliding.load_weights(_flat(draft))
         draft = sliding.bind(model)
-    target = TargetModel.of(model, draft.config.target_layer_ids)
+    target = TargetModel(model, draft.config.target_layer_ids)
     mx.random.seed(1)
     tokens = mx.random.randint(0, 350, (2, 24))
     taps = target_forward(target, tokens, labels=False)[0]
@@ -76,7 +76,7 @@ def _flat(module) -> list:
 def test_target_labels_are_greedy_predictions(tiny_attn):
     model, _ = tiny_attn
     tokens = mx.array([[5, 40, 77, 3, 9, 120, 61, 8]])
-    taps, labels = target_forward(TargetModel.of(model, (1,)), tokens, labels=True)
+    taps, labels = target_forward(TargetModel(model, (1,)), tokens, labels=True)
     greedy = mx.argmax(model(tokens), axis=-1)
     assert labels[0, 0].item() == 5 and labels[0, 1:].tolist() == greedy[0, :-1].tolist()
     assert taps.shape == (1, 8, 64)

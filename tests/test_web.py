@@ -75,7 +75,7 @@ class Generate:
         self.slow = ScriptedGenerate(["word "] * 300, delay=0.05)
 
     def __call__(self, models: Any, request: Any) -> Any:
-        prompt = models.tokenizer.decode(list(request.prompt))
+        prompt = models.pair.tokenizer.decode(list(request.prompt))
         last_user = prompt.rsplit("<|im_start|>user", 1)[-1]
         if "[script]" in last_user:
             return self.script(models, request)

@@ -25,10 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the built wheel, the fresh venv's ``dflash-serve``)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    # Copy-free build from a clean tree: only tracked files, so a developer's build/ is unused.
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-        + ["--wheel-dir", str(tmp / "dist"), str(ROOT)],
+        [*build, "--wheel-dir", str(tmp / "dist"), str(ROOT)],
         check=True,
         capture_output=True,
         cwd=tmp,

@@ -7,9 +7,10 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_server import stream_generate
+from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
-from dflash_server.engine.prompts import render_chat
-from dflash_server.generation.request import GenerationRequest
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from dflash_server.models.context import ContextCache
 from dflash_server.models.window import SinkContextCache, apply_draft_window, default_window
@@ -84,7 +85,7 @@ def test_windowed_drafter_is_lossless(tiny_hybrid):
         random_drafter(model),
         ReplayDrafter(ids + reference, [3, 9], random_drafter(model)),
     ):
-        apply_draft_window(draft, 10)
+        draft.set_window(10)
         out = list(stream_generate(model, draft, tokenizer, ids, 8, max_tokens=40))
         assert [t for r in out for t in r.tokens] == reference
 
@@ -103,9 +104,10 @@ def test_prefix_cache_with_a_windowed_drafter_matches_a_cold_run(tiny_hybrid):
 
     def run(prompt, cache):
         request = GenerationRequest(
-            tuple(prompt.tokens), 12, block_size=4, checkpoints=prompt.checkpoints
+            tuple(prompt.tokens), 12, block=BlockPolicy(4), checkpoints=prompt.checkpoints
         )
-        out = list(generate(model, draft, tokenizer, request, prefill_step_size=16, prefix=cache))
+        pair = ModelPair.of(model, tokenizer, draft)
+        out = list(generate(pair, request, prefill_step_size=16, prefix=cache))
         return [t for r in out for t in r.tokens], out[-1].stats.cached_tokens
 
     first = render_chat(tokenizer, turn1, enable_thinking=True)

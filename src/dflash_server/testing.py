@@ -451,6 +451,9 @@ class ReplayDrafter:
     def make_cache(self) -> list[Any]:
         return self.inner.make_cache()
 
+    def set_window(self, window: int | None) -> int | None:
+        return self.inner.set_window(window)
+
     def propose(
         self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any
     ):

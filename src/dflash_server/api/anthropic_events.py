@@ -20,9 +20,9 @@ from sse_starlette import ServerSentEvent
 
 from dflash_server.api.errors import APIError, anthropic_error
 from dflash_server.api.prepare import Prepared
-from dflash_server.api.responses import ChatText, dumps, job_events, run_to_end
+from dflash_server.api.responses import ChatText, dflash_stats, dumps, job_events, run_to_end
+from dflash_server.chat.tool_calls import ToolCall
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
-from dflash_server.engine.tool_calls import ToolCall
 
 Event = tuple[str, dict[str, Any]]  # (event name, payload)
 
@@ -162,7 +162,7 @@ class _Run:
             "usage": _usage(self.p, tokens, done),
         }
         if done is not None:
-            self.message["dflash"] = self.shaper.chat.stats(done.stats)
+            self.message["dflash"] = self.shaper.chat.stats(dflash_stats(done))
         delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": stop_sequence}
         yield (
             "message_delta",

@@ -17,7 +17,7 @@ from dflash_server.api.metrics import router as metrics_router
 from dflash_server.api.openai_responses import ResponseStore
 from dflash_server.api.routes import public, router
 from dflash_server.api.web import web
-from dflash_server.engine.loader import LoadedModels, describe, load_models, models_fingerprint
+from dflash_server.engine.loader import LoadedModels, describe, load_models
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
 from dflash_server.engine.worker import Engine, GenerateFn
@@ -60,7 +60,7 @@ def build_engine(
                 prefix_cache.disk = PrefixDisk(
                     settings.prefix_cache_dir,
                     settings.prefix_cache_disk_bytes,
-                    models_fingerprint(models),
+                    models.summary.fingerprint,
                 )
             log.info("prefix cache: %s", prefix_cache.describe())
         log.info(

@@ -7,9 +7,9 @@ from typing import Any
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.types import ChatCompletionRequest, SamplingFields
-from dflash_server.engine.budget import Budgeted
-from dflash_server.engine.logprobs import MAX_TOP_LOGPROBS
-from dflash_server.engine.structured import (
+from dflash_server.chat.budget import Budgeted
+from dflash_server.chat.logprobs import MAX_TOP_LOGPROBS
+from dflash_server.chat.structured import (
     StructuredOutputError,
     check_grammar,
     response_format_grammar,

@@ -164,14 +164,14 @@ class Metrics:
         self.duration.labels(e).observe(now - job.created)
         if job.first_text is not None and done.completion_tokens > 1:
             self.per_token.labels(e).observe((now - job.first_text) / (done.completion_tokens - 1))
+        if done.timings is not None:
+            self.queue_wait.observe(done.timings.queue_wait_s)
+        self.block_size.observe(done.block_size)
         stats = done.stats
-        if "queue_wait_s" in stats:
-            self.queue_wait.observe(stats["queue_wait_s"])
-        self.block_size.observe(job.request.block_size)
-        if job.request.speculative and stats.get("cycles"):
-            self.tau.observe(stats["tau"])
-            self.acceptance.observe(stats["acceptance_rate"])
-            for accepted, cycles in enumerate(stats.get("acceptance_histogram") or []):
+        if done.speculative and stats is not None and stats.cycles:
+            self.tau.observe(stats.tau)
+            self.acceptance.observe(stats.acceptance_rate)
+            for accepted, cycles in enumerate(stats.acceptance_histogram):
                 for _ in range(cycles):  # no bulk observe in prometheus_client
                     self.accepted.observe(accepted)
 

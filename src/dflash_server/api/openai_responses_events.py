@@ -23,9 +23,9 @@ from sse_starlette import ServerSentEvent
 from dflash_server.api.errors import APIError
 from dflash_server.api.openai_responses import ResponsesRequest
 from dflash_server.api.prepare import Prepared
-from dflash_server.api.responses import ChatText, dumps, job_events, run_to_end
+from dflash_server.api.responses import ChatText, dflash_stats, dumps, job_events, run_to_end
+from dflash_server.chat.tool_calls import ToolCall
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
-from dflash_server.engine.tool_calls import ToolCall
 
 
 def _id(prefix: str) -> str:
@@ -95,7 +95,7 @@ class ResponseShaper:
                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": done.prompt_tokens + done.completion_tokens,
             }
-            body["dflash"] = self.chat.stats(done.stats)
+            body["dflash"] = self.chat.stats(dflash_stats(done))
         return body
 
     def assistant_message(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ always gets a proper status code instead of an error inside an already-open stre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -27,10 +27,11 @@ from dflash_server.api.types import (
     SamplingFields,
     unsupported_features,
 )
-from dflash_server.engine.prompts import Prompt, PromptError, render_chat, render_completion
-from dflash_server.engine.structured import Grammar
+from dflash_server.chat.prompts import Prompt, PromptError, render_chat, render_completion
+from dflash_server.chat.structured import Grammar
 from dflash_server.engine.worker import Engine
-from dflash_server.generation.request import GenerationRequest, block_policy
+from dflash_server.generation.protocols import Drafter
+from dflash_server.generation.request import PLAIN, BlockPolicy, GenerationRequest, block_policy
 from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
 from dflash_server.settings import Settings
 
@@ -72,12 +73,11 @@ def _check_request(req: SamplingFields, settings: Settings, engine: Engine) -> N
         raise APIError(503, message, code="model_not_ready", headers={"Retry-After": "5"})
 
 
-def _block_size(req: SamplingFields, settings: Settings, draft: Any | None) -> tuple[int, bool]:
-    """(block size, adaptive): the request's (checked), else the server's (fitted to the
-    drafter); (1, False): plain decoding."""
+def _block_policy(req: SamplingFields, settings: Settings, draft: Drafter | None) -> BlockPolicy:
+    """The request's block size (checked), else the server's (fitted to the drafter)."""
     speculative = settings.speculative if req.speculative is None else req.speculative
     if not speculative:
-        return 1, False
+        return PLAIN
     if req.block_size is None:
         return block_policy(draft, settings.block_size, clamp=True)
     if draft is None:
@@ -99,7 +99,7 @@ def _request(
     """The generation request: the request's values over the server's defaults, fitted into
     the context window."""
     assert engine.models is not None
-    ctx = engine.models.context_length
+    ctx = engine.models.summary.context_length
     room = ctx - len(prompt.tokens)
     if room <= 0:
         raise APIError(
@@ -112,21 +112,20 @@ def _request(
     defaults = {name: getattr(settings, name) for name in SERVED_FIELDS}
     # Default: as many tokens as fit, so long answers are not cut off at an arbitrary cap.
     limit = max_tokens or settings.max_tokens or room
-    block_size, adaptive = _block_size(req, settings, engine.models.draft)
+    block = _block_policy(req, settings, engine.models.pair.draft)
     params = SamplingParams(**(defaults | {k: v for k, v in sampling.items() if v is not None}))
     seed = None if req.seed == -1 else req.seed
-    if adaptive and seed is not None and not params.greedy:
+    if block.auto and seed is not None and not params.greedy:
         # A seed must reproduce the answer: auto's widths follow timings and the random draws
         # follow the widths, so seeded sampling verifies a fixed block.
-        adaptive = False
+        block = replace(block, auto=False)
     return GenerationRequest(
         prompt=tuple(prompt.tokens),
         max_tokens=min(limit, room),
         sampling=params,
         seed=seed,
         stop=tuple(req.stop or ()),
-        block_size=block_size,
-        adaptive=adaptive,
+        block=block,
         logprobs=requested_logprobs(req),
         reasoning=prompt.reasoning,
         checkpoints=prompt.checkpoints,
@@ -165,7 +164,7 @@ async def render_messages(
         # Templates and tokenizers are CPU work: keep them off the event loop.
         prompt = await run_in_threadpool(
             render_chat,
-            engine.models.tokenizer,
+            engine.models.pair.tokenizer,
             messages,
             enable_thinking=thinking_enabled(req, settings.enable_thinking),
             template_kwargs=kwargs,
@@ -184,7 +183,7 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
     parallel = req.parallel_tool_calls is not False
     grammar = await run_in_threadpool(
         answer_grammar,
-        engine.models.tokenizer,
+        engine.models.pair.tokenizer,
         req.response_format,
         chat.tools,
         chat.forced,
@@ -196,7 +195,7 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
     max_tokens = req.max_completion_tokens or req.max_tokens
     request = _request(req, settings, engine, chat.prompt, max_tokens, constraint=constraint)
     budget = thinking_budget(req, settings.max_thinking_tokens)
-    request = with_thinking_budget(request, budget, engine.models.summary.get("vocab_size"))
+    request = with_thinking_budget(request, budget, engine.models.summary.vocab_size)
     return Prepared(
         kind="chat",
         request=request,
@@ -223,10 +222,10 @@ async def prepare_completion(
     if not raw:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     if isinstance(raw, list):
-        vocab = engine.models.summary.get("vocab_size")
+        vocab = engine.models.summary.vocab_size
         if vocab and any(not 0 <= t < vocab for t in raw):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
-    prompt = await run_in_threadpool(render_completion, engine.models.tokenizer, raw)
+    prompt = await run_in_threadpool(render_completion, engine.models.pair.tokenizer, raw)
     return Prepared(
         kind="completion",
         request=_request(req, settings, engine, prompt, req.max_tokens),

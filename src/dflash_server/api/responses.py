@@ -14,15 +14,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared
+from dflash_server.chat.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from dflash_server.chat.reasoning import ReasoningSplitter, think_markers
+from dflash_server.chat.tool_calls import ToolCall, ToolCallParser
 from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
-from dflash_server.engine.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
-from dflash_server.engine.reasoning import ReasoningSplitter, think_markers
-from dflash_server.engine.tool_calls import ToolCall, ToolCallParser
 
 DONE = "[DONE]"
 # How often a non-streaming request checks whether its client is still there.
@@ -128,6 +128,18 @@ async def run_job(job: Job, is_disconnected: Callable[[], Awaitable[bool]]) -> O
     except ClientGone:
         return None
     raise APIError(500, "generation ended without a final event", code="generation_failed")
+
+
+def dflash_stats(done: Finished) -> dict[str, Any]:
+    """The ``dflash`` object of an answer: how it was generated (speculation, timings)."""
+    out: dict[str, Any] = {"speculative": done.speculative}
+    if done.stats is not None:
+        out |= done.stats.as_dict()
+    if done.speculative:
+        out.setdefault("block_size", done.block_size)
+    if done.timings is not None:
+        out |= asdict(done.timings)
+    return out
 
 
 class ChatText:
@@ -263,7 +275,7 @@ class _Stream:
 
     def final_chunk(self, done: Finished) -> str:
         key, empty = ("delta", {}) if self.chat is not None else ("text", "")
-        reason, stats = done.finish_reason, done.stats
+        reason, stats = done.finish_reason, dflash_stats(done)
         if self.chat is not None:
             reason, stats = self.chat.finish_reason(reason), self.chat.stats(stats)
         logprobs = self._take_logprobs() if self.logprobs else None
@@ -332,7 +344,7 @@ async def collect_response(
         return (
             {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice]}
             | common
-            | {"dflash": done.stats}
+            | {"dflash": dflash_stats(done)}
         )
     chat = ChatText(prepared, tokenizer)
     reasoning, content, calls = chat.feed(out.text)
@@ -355,5 +367,5 @@ async def collect_response(
     return (
         {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": [choice]}
         | common
-        | {"dflash": chat.stats(done.stats)}
+        | {"dflash": chat.stats(dflash_stats(done))}
     )

@@ -61,7 +61,7 @@ def _submit(request: Request, prepared: Prepared, endpoint: str) -> Job:
 
 def _tokenizer(request: Request) -> Any:
     models = _engine(request).models
-    return models.tokenizer if models else None
+    return models.pair.tokenizer if models else None
 
 
 def _events(request: Request, content: Any, **kwargs: Any) -> EventSourceResponse:
@@ -178,7 +178,7 @@ def _model_card(request: Request) -> dict[str, Any]:
 async def health(request: Request) -> JSONResponse:
     """200 when ready, 503 while loading or after a failed load; the body says which."""
     engine, settings = _engine(request), _settings(request)
-    summary = engine.models.summary if engine.models else {}
+    summary = engine.models.summary.as_dict() if engine.models else {}
     body = {
         "status": engine.state,
         "models": [settings.model_id],

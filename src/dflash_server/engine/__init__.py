@@ -1,1 +1,1 @@
-"""Engine: the single MLX worker thread, its queue, prompt rendering and reasoning split."""
+"""The engine: the single MLX worker thread, its queue, model loading and the prefix cache."""

@@ -7,11 +7,11 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from dflash_server.engine.logprobs import TokenLogprob
+from dflash_server.chat.logprobs import TokenLogprob
 from dflash_server.generation.request import GenerationRequest
+from dflash_server.generation.stats import SpeculativeStats
 
 
 class QueueFull(Exception):
@@ -36,6 +36,16 @@ class TextChunk:
     sources: list[tuple[str, bool]] | None = None  # per token: (text, accepted draft?)
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """How a finished request went, as the ``dflash`` object and /metrics report it."""
+
+    queue_wait_s: float  # from submission to admission
+    prompt_tps: float  # prefilled (not restored) prompt tokens per second
+    generation_tps: float
+    peak_memory_gb: float
+
+
 @dataclass
 class Finished:
     """The last event of a successful job."""
@@ -43,7 +53,10 @@ class Finished:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    stats: dict[str, Any] = field(default_factory=dict)
+    speculative: bool = False  # whether the drafter ran
+    block_size: int = 1  # the widest block the request could verify
+    stats: SpeculativeStats | None = None  # the decoder's counters (None: nothing generated)
+    timings: RequestTimings | None = None
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
     stop_sequence: str | None = None  # the stop string that ended it, if one did
 

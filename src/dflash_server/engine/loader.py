@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
+
+from dflash_server.generation.pair import ModelPair
+from dflash_server.models.hooks import HookError
+from dflash_server.models.loading import load, load_draft
+from dflash_server.models.window import DEFAULT_WINDOW, SINKS, default_window
 
 log = logging.getLogger("dflash_server")
 
@@ -67,18 +74,37 @@ def resolve_model(repo_or_path: str, role: str, patterns: list[str]) -> Path:
 
 
 @dataclass
-class LoadedModels:
-    """What the worker keeps resident: target, tokenizer, optional drafter, and a summary."""
+class ModelSummary:
+    """What was loaded, as the startup log, /health, /v1/models and the prompt checks read it."""
 
-    model: Any
-    tokenizer: Any
-    draft: Any | None
+    target: str
+    target_type: str
+    target_weights_gb: float
+    target_quantization: str
+    vocab_size: int | None
     context_length: int
-    summary: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str  # identifies the pair's state on disk (prefix cache)
+    active_memory_gb: float = 0.0
+    draft: str | None = None
+    draft_family: str | None = None
+    draft_weights_gb: float | None = None
+    draft_quantization: str | None = None
+    draft_layers: int | None = None
+    block_size: int | None = None  # the drafter's trained block
+    target_layer_ids: list[int] = field(default_factory=list)
+    draft_window: int | None = None
+    cycle_costs: str | None = None  # the measured cost curve, described
 
-    @property
-    def draft_block_size(self) -> int | None:
-        return None if self.draft is None else int(self.draft.config.block_size)
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class LoadedModels:
+    """What the worker keeps resident: the model pair and what was loaded."""
+
+    pair: ModelPair
+    summary: ModelSummary
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -134,10 +160,6 @@ def load_models(
     ``DEFAULT_WINDOW``; 0: the whole context). ``measure``: time the cycle costs that
     ``block_size: "auto"`` decides by (a second or two), now rather than at the first request.
     """
-    import mlx.core as mx
-
-    from dflash_server import load, load_draft
-
     target_label, draft_label = target_label or target, draft_label or draft
     target_path = resolve_model(target, "target", TARGET_PATTERNS)
     try:
@@ -145,14 +167,7 @@ def load_models(
     except Exception as exc:  # mlx-lm raises many types; the user needs the first line
         raise ModelLoadError(f"cannot load target {target_label!r}: {_first_line(exc)}") from exc
     target_cfg = _read_config(target_path)
-    summary: dict[str, Any] = {
-        "target": target_label,
-        "target_weights_gb": round(_weights_gb(model), 4),
-        "target_quantization": _quant(target_cfg),
-        "target_type": target_cfg.get("model_type", "?"),
-        "vocab_size": _vocab_size(target_cfg),
-    }
-    drafter = None
+    drafter, draft_cfg, draft_path = None, {}, None
     if draft is not None:
         draft_path = resolve_model(draft, "draft", DRAFT_PATTERNS)
         try:
@@ -161,37 +176,35 @@ def load_models(
         except Exception as exc:
             raise ModelLoadError(f"cannot use drafter {draft_label!r}: {_first_line(exc)}") from exc
         draft_cfg = _read_config(draft_path)
-        summary.update(
-            draft=draft_label,
-            draft_weights_gb=round(_weights_gb(drafter), 4),
-            draft_quantization=_quant(draft_cfg),
-            block_size=int(drafter.config.block_size),
-            draft_layers=int(drafter.config.num_hidden_layers),
-            draft_family=drafter.family,
-            target_layer_ids=list(drafter.config.target_layer_ids),
-        )
-    from dflash_server.generation.target import TargetModel
-    from dflash_server.models.hooks import HookError
-
     try:  # install the target's hooks now: their self-check fails here, not mid-request
-        TargetModel.of(model, tuple(drafter.config.target_layer_ids) if drafter else ())
+        pair = ModelPair.build(model, tokenizer, drafter)
     except HookError as exc:
         raise ModelLoadError(f"cannot use target {target_label!r}: {exc}") from exc
+    model_ctx = _model_context(target_cfg) or DEFAULT_CONTEXT
+    summary = ModelSummary(
+        target=target_label,
+        target_type=target_cfg.get("model_type", "?"),
+        target_weights_gb=round(_weights_gb(model), 4),
+        target_quantization=_quant(target_cfg),
+        vocab_size=_vocab_size(target_cfg),
+        context_length=min(context_length, model_ctx) if context_length else model_ctx,
+        fingerprint=_fingerprint(target_path, draft_path),
+    )
     if drafter is not None:
-        from dflash_server.generation.costs import costs_for
-        from dflash_server.models.window import DEFAULT_WINDOW, apply_draft_window, default_window
-
         if draft_window is None:
             draft_window = default_window(drafter) or DEFAULT_WINDOW
-        summary["draft_window"] = apply_draft_window(drafter, draft_window)
+        summary.draft = draft_label
+        summary.draft_family = drafter.family
+        summary.draft_weights_gb = round(_weights_gb(drafter), 4)
+        summary.draft_quantization = _quant(draft_cfg)
+        summary.draft_layers = int(drafter.config.num_hidden_layers)
+        summary.block_size = int(drafter.config.block_size)
+        summary.target_layer_ids = list(drafter.config.target_layer_ids)
+        summary.draft_window = drafter.set_window(draft_window)
         if measure:
-            summary["cycle_costs"] = costs_for(model, drafter).describe()
-    summary["fingerprint"] = _fingerprint(target_path, draft_path if draft else None)
-    model_ctx = _model_context(target_cfg) or DEFAULT_CONTEXT
-    ctx = min(context_length, model_ctx) if context_length else model_ctx
-    summary["context_length"] = ctx
-    summary["active_memory_gb"] = round(mx.get_active_memory() / 1e9, 4)
-    return LoadedModels(model, tokenizer, drafter, ctx, summary)
+            summary.cycle_costs = pair.costs().describe()
+    summary.active_memory_gb = round(mx.get_active_memory() / 1e9, 4)
+    return LoadedModels(pair, summary)
 
 
 def _fingerprint(target: Path, draft: Path | None) -> str:
@@ -212,40 +225,33 @@ def _fingerprint(target: Path, draft: Path | None) -> str:
     return h.hexdigest()[:32]
 
 
-def models_fingerprint(models: LoadedModels) -> str:
-    return str(models.summary.get("fingerprint", ""))
-
-
 def _size(gb: float) -> str:
     return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
 
 
-def describe(summary: dict[str, Any]) -> str:
+def describe(summary: ModelSummary) -> str:
     """One startup log line per model, so users see exactly what they are serving."""
-    from dflash_server.models.window import SINKS
-
+    s = summary
     lines = [
-        f"target {summary['target']}: {summary['target_type']}, "
-        f"{_size(summary['target_weights_gb'])} weights, {summary['target_quantization']}, "
-        f"context {summary['context_length']}"
+        f"target {s.target}: {s.target_type}, {_size(s.target_weights_gb)} weights, "
+        f"{s.target_quantization}, context {s.context_length}"
     ]
-    if "draft" in summary:
+    if s.draft is not None:
         lines.append(
-            f"draft {summary['draft']}: {summary['draft_family']}, "
-            f"{summary['draft_layers']} layers, "
-            f"{_size(summary['draft_weights_gb'])} weights, {summary['draft_quantization']}, "
-            f"block size {summary['block_size']}, taps {summary['target_layer_ids']}"
+            f"draft {s.draft}: {s.draft_family}, {s.draft_layers} layers, "
+            f"{_size(s.draft_weights_gb or 0.0)} weights, {s.draft_quantization}, "
+            f"block size {s.block_size}, taps {s.target_layer_ids}"
         )
-        window = summary.get("draft_window")
+        window = s.draft_window
         lines.append(
             "draft context: "
             + (f"{window} positions ({SINKS} sinks + newest)" if window else "the whole context")
         )
-        if "cycle_costs" in summary:
-            lines.append(summary["cycle_costs"])
+        if s.cycle_costs:
+            lines.append(s.cycle_costs)
     else:
         lines.append("no drafter: plain (non-speculative) decoding")
-    lines.append(f"MLX active memory after load: {_size(summary['active_memory_gb'])}")
+    lines.append(f"MLX active memory after load: {_size(s.active_memory_gb)}")
     return "\n".join(lines)
 
 

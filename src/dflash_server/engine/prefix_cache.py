@@ -1,6 +1,6 @@
 """The prefix cache: prompt snapshots of earlier requests, reused by later ones.
 
-See docs/design.md, 'Prefix cache internals'.
+See docs/design.md, "Prefix cache internals".
 
 Agents and chat clients resend the whole conversation every turn; the next turn shares the
 previous prompt up to the start of its generation prompt (templates re-render earlier answers,
@@ -22,19 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dflash_server.generation.prefix import PromptSnapshot
+from dflash_server.generation.prefix import PromptSnapshot, common_prefix
 
 if TYPE_CHECKING:
     from dflash_server.engine.prefix_disk import PrefixDisk
 
 log = logging.getLogger("dflash_server")
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 @dataclass

@@ -2,30 +2,44 @@
 
 Files are written from a background thread (the worker only queues them) and read back on a RAM
 miss. Each file's safetensors metadata holds the models' fingerprint, the snapshot kind, its token
-ids and checkpoint positions, so the index is rebuilt at startup from the headers alone; files of
-other models, other formats or damaged ones are skipped with a warning. The oldest files go when
-the folder outgrows its budget.
+ids and checkpoint positions, so the index is rebuilt at startup from the headers alone, plus a
+checksum of all of that and of every tensor (name, dtype, shape, bytes), verified when the file is
+read back: a damaged snapshot would silently change answers. Damaged files, truncated ones and
+older files without a checksum are removed with a warning (the request prefills cold); files of
+other models and foreign files are left alone with a warning. The oldest files go when the folder
+outgrows its budget.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
+import os
 import queue
+import re
 import struct
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from dflash_server.generation.prefix import Checkpoint, PromptSnapshot
+from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, common_prefix, restorable
 
 log = logging.getLogger("dflash_server")
-FORMAT = "dflash-prefix-1"
+FORMAT = "dflash-prefix-2"  # -1: no checksum
+CHECKSUM = "sha256"  # hardware-accelerated on x86 and Apple silicon: ~2 GB/s a core
+READ_THREADS = min(8, os.cpu_count() or 1)  # a request waits for the check: hash in parallel
+_OURS = re.compile(r"[0-9a-f]{32}\.safetensors")  # the names _write gives
+
+
+class Damaged(ValueError):
+    """A file of ours that cannot be trusted: it is removed."""
 
 
 @dataclass
@@ -38,17 +52,42 @@ class _File:
     nbytes: int
 
     def restorable(self, limit: int) -> int:
-        if not self.recurrent:
-            return limit
-        return max((p for p in self.checkpoints if p <= limit), default=0)
+        return restorable(limit, self.recurrent, self.checkpoints)
 
 
 def _read_header(path: Path) -> dict[str, str]:
+    """The metadata; raises if the header is broken or the tensors overrun the file."""
     with path.open("rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         if size > 64 * 2**20:
             raise ValueError("header too large")
-        return json.loads(f.read(size)).get("__metadata__") or {}
+        header = json.loads(f.read(size))
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + size + end != path.stat().st_size:
+        raise ValueError(f"{path.stat().st_size} bytes, the header describes {8 + size + end}")
+    return header.get("__metadata__") or {}
+
+
+def _digest(meta: dict[str, str], arrays: dict[str, mx.array], threads: int = 1) -> str:
+    """Checksum of the metadata (but the checksum itself) and of every tensor's name, dtype,
+    shape and bytes; the tensors are hashed on ``threads`` threads (hashlib frees the GIL)."""
+
+    def tensor(name: str) -> bytes:
+        a = arrays[name]
+        h = hashlib.new(CHECKSUM, json.dumps([name, str(a.dtype), a.shape]).encode())
+        h.update(memoryview(a))  # row-contiguous: written or loaded so
+        return h.digest()
+
+    names = sorted(arrays)
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        digests = list(pool.map(tensor, names))
+    h = hashlib.new(CHECKSUM)
+    h.update(
+        json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode()
+    )
+    for digest in digests:
+        h.update(digest)
+    return f"{CHECKSUM}:{h.hexdigest()}"
 
 
 class PrefixDisk:
@@ -61,7 +100,7 @@ class PrefixDisk:
         self._files: dict[Path, _File] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[tuple, PromptSnapshot] | None] = queue.Queue()
-        self.writes = self.reads = 0
+        self.writes = self.reads = self.rejected = 0
         for path in sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
             self._index(path)
         self._writer = threading.Thread(target=self._write_loop, name="prefix-disk", daemon=True)
@@ -77,14 +116,18 @@ class PrefixDisk:
                 "bytes": sum(f.nbytes for f in self._files.values()),
                 "writes": self.writes,
                 "reads": self.reads,
+                "rejected": self.rejected,  # files that failed verification, removed
             }
 
     def _index(self, path: Path) -> None:
+        ours = _OURS.fullmatch(path.name) is not None
         try:
             meta = _read_header(path)
             if meta.get("format") != FORMAT:
+                if str(meta.get("format", "")).startswith("dflash-prefix-"):
+                    raise Damaged(f"{meta['format']}: written without a checksum")
                 raise ValueError(f"not a {FORMAT} file")
-            if meta.get("fingerprint") != self.fingerprint:
+            if meta.get("fingerprint") != self.fingerprint:  # still good for those models
                 log.warning("prefix cache: %s belongs to other models; ignored", path.name)
                 return
             tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype=np.int32)
@@ -96,11 +139,25 @@ class PrefixDisk:
                 meta["recurrent"] == "1",
                 path.stat().st_size,
             )
-        except (OSError, ValueError, KeyError, struct.error) as exc:
-            log.warning("prefix cache: %s is unreadable (%s); ignored", path.name, exc)
+        except Exception as exc:  # whatever is wrong with one file, the server still starts
+            if ours or isinstance(exc, Damaged):
+                self._discard(path, exc)
+            else:
+                log.warning("prefix cache: %s is unreadable (%s); ignored", path.name, exc)
             return
         with self._lock:
             self._files[path] = entry
+
+    def _discard(self, path: Path, reason: object) -> None:
+        """A file of ours that cannot be trusted: out of the index and off the disk."""
+        log.warning("prefix cache: %s cannot be verified (%s); removed", path.name, reason)
+        with self._lock:
+            self._files.pop(path, None)
+            self.rejected += 1
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:  # never used anyway: it is out of the index
+            log.warning("prefix cache: cannot remove %s (%s)", path.name, exc)
 
     # ----- reading (worker thread) -----------------------------------------------------------
 
@@ -108,8 +165,6 @@ class PrefixDisk:
         self, kind: tuple, tokens: np.ndarray, limit: int, better_than: int
     ) -> PromptSnapshot | None:
         """The snapshot restoring more than ``better_than`` tokens of ``tokens``, if on disk."""
-        from dflash_server.engine.prefix_cache import common_prefix
-
         with self._lock:
             scored = [
                 (f.restorable(min(common_prefix(f.tokens, tokens), limit)), f)
@@ -121,18 +176,22 @@ class PrefixDisk:
                 return None
             try:
                 snapshot = self._load(entry)
-            except Exception as exc:  # damaged since indexed: skip it, try the next
-                log.warning("prefix cache: cannot read %s (%s); ignored", entry.path.name, exc)
-                with self._lock:
-                    self._files.pop(entry.path, None)
+            except Exception as exc:  # damaged: never used; the next one, or a cold prefill
+                self._discard(entry.path, exc)
                 continue
             self.reads += 1
             return snapshot
         return None
 
     def _load(self, entry: _File) -> PromptSnapshot:
-        arrays = mx.load(str(entry.path))
-        meta = _read_header(entry.path)
+        arrays, meta = mx.load(str(entry.path), return_metadata=True)
+        mx.eval(arrays)  # read it all now: what is verified is what gets restored
+        if _digest(meta, arrays, READ_THREADS) != meta.get("checksum"):
+            raise Damaged("checksum mismatch")
+        tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype=np.int32)
+        stored_kind = _as_tuple(json.loads(meta["kind"]))
+        if stored_kind != entry.kind or not np.array_equal(tokens, entry.tokens):
+            raise Damaged("changed since it was indexed")
         layers = json.loads(meta["layers"])  # "kv" or "recurrent" per target layer
         kv = [
             (arrays[f"kv.{i}.keys"], arrays[f"kv.{i}.values"]) if kind == "kv" else None
@@ -147,8 +206,9 @@ class PrefixDisk:
             ]
             draft = [_pair(arrays, f"dckpt.{p}.{i}") for i in range(n_draft)] if windowed else None
             checkpoints[int(p)] = Checkpoint(recurrent, draft)
-        tokens = tuple(int(t) for t in entry.tokens)
-        return PromptSnapshot(tokens, kv, draft_kv, checkpoints)
+        if any(a.shape[-2] != len(tokens) for pair in kv if pair is not None for a in pair):
+            raise Damaged(f"attention KV of another length than its {len(tokens)} tokens")
+        return PromptSnapshot(tuple(int(t) for t in tokens), kv, draft_kv, checkpoints)
 
     # ----- writing (background thread) -------------------------------------------------------
 
@@ -185,6 +245,8 @@ class PrefixDisk:
                 if pair is not None:
                     arrays[f"dckpt.{p}.{i}.keys"], arrays[f"dckpt.{p}.{i}.values"] = pair
             layout[p] = ([len(s) for s in checkpoint.recurrent], checkpoint.draft is not None)
+        arrays = {k: mx.contiguous(a) for k, a in arrays.items()}  # a copy only where sliced
+        mx.eval(arrays)
         tokens = np.asarray(snapshot.tokens, dtype=np.int32)
         meta = {
             "format": FORMAT,
@@ -197,6 +259,7 @@ class PrefixDisk:
             "layers": json.dumps(layers),
             "draft_layers": str(len(snapshot.draft_kv or [])),
         }
+        meta["checksum"] = _digest(meta, arrays)
         name = f"{uuid.uuid4().hex}.safetensors"
         partial = self.folder / ".partial"
         partial.mkdir(exist_ok=True)

@@ -16,8 +16,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+
+from dflash_server.chat.logprobs import TokenTexts, token_logprobs
 from dflash_server.engine.jobs import (
     EngineNotReady,
     Event,
@@ -25,21 +27,19 @@ from dflash_server.engine.jobs import (
     Finished,
     Job,
     QueueFull,
+    RequestTimings,
     TextChunk,
 )
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
-from dflash_server.engine.logprobs import TokenTexts, token_logprobs
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.request import GenerationRequest
-
-if TYPE_CHECKING:
-    from dflash_server.generation.stream import GenerationResponse
+from dflash_server.generation.stream import GenerationResponse, generate
 
 log = logging.getLogger("dflash_server")
 SHUTDOWN = "server is shutting down"
 
 # One request's generation on the resident models: a response per cycle (the first: prefill).
-GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator["GenerationResponse"]]
+GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator[GenerationResponse]]
 LoaderFn = Callable[[], LoadedModels]
 
 
@@ -189,12 +189,10 @@ class Engine:
             log.exception("model loading failed")
             self._fail(f"model loading failed: {exc}")
             return
-        from dflash_server.generation.stream import WiredLimit
-
         self.state = "ready"
         self._ready.set()
         try:
-            with WiredLimit.of(self.models.model).held():  # for the engine's lifetime
+            with self.models.pair.wired.held():  # for the engine's lifetime
                 while self._round():
                     pass
         finally:
@@ -239,12 +237,8 @@ class Engine:
     def _run_request(
         self, models: LoadedModels, request: GenerationRequest
     ) -> Iterator[GenerationResponse]:
-        from dflash_server.generation.stream import generate
-
         return generate(
-            models.model,
-            models.draft,
-            models.tokenizer,
+            models.pair,
             request,
             prefill_step_size=self.prefill_step_size,
             prefix=self.prefix_cache,
@@ -258,14 +252,12 @@ class Engine:
         m = self.models
         job.started = time.monotonic()
         if log.isEnabledFor(logging.DEBUG):  # prompt text only ever at debug level
-            log.debug("request prompt: %r", m.tokenizer.decode(job.request.prompt)[-2000:])
+            log.debug("request prompt: %r", m.pair.tokenizer.decode(job.request.prompt)[-2000:])
         if not self._active:
-            import mlx.core as mx
-
             mx.reset_peak_memory()  # the peak of the busy period that starts here
         texts = None
         if job.request.logprobs is not None:
-            texts = self._token_texts or TokenTexts(m.tokenizer)
+            texts = self._token_texts or TokenTexts(m.pair.tokenizer)
             self._token_texts = texts
         try:
             gen = self._generate(m, job.request)
@@ -289,33 +281,36 @@ class Engine:
 
     def _finished(self, run: _Run) -> Finished:
         job, last = run.job, run.last
-        prompt_tokens = len(job.request.prompt)
-        stats: dict[str, Any] = {"speculative": job.request.speculative}
+        request = job.request
+        prompt_tokens = len(request.prompt)
+        done = Finished(
+            "length", prompt_tokens, 0, request.speculative, request.block.width, None, None
+        )
         if last is None:  # the generator yielded nothing at all
-            return Finished("length", prompt_tokens, 0, stats)
-        if last.stats is not None:
-            stats.update(last.stats.as_dict())
-        if job.request.speculative:
-            stats.setdefault("block_size", job.request.block_size)
-        stats.update(
+            return done
+        done.completion_tokens = run.produced
+        done.finish_reason = last.finish_reason or "length"
+        done.stop_sequence = last.stop
+        done.stats = last.stats
+        done.cached_tokens = last.stats.cached_tokens if last.stats is not None else 0
+        done.timings = RequestTimings(
+            queue_wait_s=round((job.started or job.created) - job.created, 3),
             prompt_tps=round(float(last.prompt_tps), 2),
             generation_tps=round(float(last.generation_tps), 2),
             peak_memory_gb=round(float(last.peak_memory), 3),
-            queue_wait_s=round((job.started or job.created) - job.created, 3),
         )
-        cached = last.stats.cached_tokens if last.stats is not None else 0
-        reason = last.finish_reason or "length"
-        done = Finished(reason, prompt_tokens, run.produced, stats, cached, last.stop)
         speculation = "plain decoding"
-        if job.request.speculative and last.stats is not None:
+        if request.speculative and last.stats is not None:
             speculation = last.stats.summary()  # tau, block sizes used, plain share, estimate
         log.info(
             "request: %d prompt (%s) + %d output tokens (%s), %.1f tok/s, %s",
             done.prompt_tokens,
-            f"prefix cache hit: {cached} reused" if cached else "prefix cache miss",
+            f"prefix cache hit: {done.cached_tokens} reused"
+            if done.cached_tokens
+            else "prefix cache miss",
             done.completion_tokens,
             done.finish_reason,
-            stats["generation_tps"],
+            done.timings.generation_tps,
             speculation,
         )
         return done

@@ -1,1 +1,1 @@
-"""The generation core: target wrapper, exact rollback, sampling, the DFlash loop."""
+"""The decoding core: the DFlash loop, sampling and acceptance, rollback, the model pair."""

@@ -55,13 +55,6 @@ class SharedPrior:
     def update(self, rate: float) -> None:
         self.rate = min(max(rate, self.bounds[0]), self.bounds[1])
 
-    @classmethod
-    def of(cls, draft: Any) -> SharedPrior:
-        """The one prior per drafter, kept on it."""
-        if "_dflash_prior" not in draft.__dict__:
-            draft.__dict__["_dflash_prior"] = cls()
-        return draft.__dict__["_dflash_prior"]
-
 
 class AcceptanceModel:
     """Recent acceptance: a per-cycle rate, and decayed per-position counts shrunk towards it.

@@ -2,18 +2,20 @@
 
 Attention KV (target and drafter) can be cut to any shorter prefix; a Gated DeltaNet layer's conv
 and recurrent state, and a sliding drafter layer's window, are valid only where they were taken
-(see docs/design.md, 'Prefix cache internals'). So a snapshot holds the KV of the whole prompt plus that state at a few checkpoint
-positions, and restores at any checkpoint (at any position when nothing needs one). MLX arrays are immutable
-and caches rebind or reallocate on update, so a restored request never changes the snapshot.
+(docs/design.md, "Prefix cache internals"). So a snapshot holds the KV of the whole prompt plus
+that state at a few checkpoint positions, and restores at any checkpoint (at any position when
+nothing needs one). MLX arrays are immutable and caches rebind or reallocate on update, so a
+restored request never changes the snapshot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 KV = tuple[mx.array, mx.array]  # keys, values: [B, heads, tokens, head_dim]
@@ -97,10 +99,7 @@ class PromptSnapshot:
 
     def restorable(self, limit: int) -> int:
         """The longest prefix, at most ``limit`` tokens, this snapshot can restore (0: none)."""
-        limit = min(limit, len(self.tokens))
-        if not self.recurrent:
-            return limit
-        return max((p for p in self.checkpoints if p <= limit), default=0)
+        return restorable(min(limit, len(self.tokens)), self.recurrent, self.checkpoints)
 
     def restore(self, length: int, cache: list[Any], draft_cache: list[Any] | None) -> None:
         """Load the state after ``length`` tokens into fresh caches."""
@@ -129,17 +128,16 @@ def _load_kv(cache: KVCache, pair: KV, length: int) -> None:
     cache.offset = length
 
 
-class PrefixStore(Protocol):
-    """Where the decoder finds and leaves prompt snapshots (the engine's prefix cache).
+def restorable(limit: int, recurrent: bool, checkpoints: Iterable[int]) -> int:
+    """How much of a prefix of ``limit`` tokens a snapshot restores: all of it from KV alone;
+    with recurrent state, only up to its last checkpoint at or before ``limit`` (0: none)."""
+    if not recurrent:
+        return limit
+    return max((p for p in checkpoints if p <= limit), default=0)
 
-    ``kind`` tells snapshots apart that hold different state for the same tokens (e.g. with or
-    without the drafter's context, other taps).
-    """
 
-    def lookup(self, kind: tuple, prompt: Sequence[int]) -> tuple[PromptSnapshot, int] | None:
-        """The snapshot to restore and how many tokens of ``prompt`` it restores."""
-        ...
-
-    def store(self, kind: tuple, snapshot: PromptSnapshot) -> None:
-        """Keep a prompt's snapshot for later requests."""
-        ...
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n

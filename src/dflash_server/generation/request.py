@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
-from dflash_server.generation.sampling import SamplingParams, TokenConstraint
+from dflash_server.generation.protocols import ConstraintSpec, Drafter, TokenConstraint
+from dflash_server.generation.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import mlx.core as mx
-
-
-class ConstraintSpec(Protocol):
-    """What a request carries to restrict its tokens; built into a stateful matcher per run."""
-
-    def build(self, tokenizer: Any) -> TokenConstraint: ...
 
 
 @dataclass(frozen=True)
@@ -37,22 +32,32 @@ class Reasoning:
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
-    """Everything one generation needs besides the models; frozen, passed unchanged down.
+class BlockPolicy:
+    """How many positions each cycle verifies: ``width`` (1: plain decoding, no drafter pass,
+    else 2..the drafter's trained block); with ``auto``, ``width`` is the widest, and a
+    controller picks 1..width each cycle from the observed acceptance and measured costs."""
 
-    ``block_size`` is the number of positions verified per cycle: 1 is plain decoding (no
-    drafter pass), otherwise 2..the drafter's trained block (see ``block_size_for``). With
-    ``adaptive`` (``block_size: "auto"``) it is the widest block: a controller picks 1..it each
-    cycle from the observed acceptance and the measured cycle costs.
-    """
+    width: int = 1
+    auto: bool = False
+
+    def __post_init__(self) -> None:
+        if self.width < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.width}")
+
+
+PLAIN = BlockPolicy(1)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything one generation needs besides the models; frozen, passed unchanged down."""
 
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    block_size: int = 1
-    adaptive: bool = False
+    block: BlockPolicy = PLAIN
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     constraint: ConstraintSpec | None = None
     reasoning: Reasoning = field(default_factory=Reasoning)
@@ -66,16 +71,14 @@ class GenerationRequest:
             raise ValueError("prompt is empty: give at least one token")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
     @property
     def speculative(self) -> bool:
         """Whether the drafter runs at all."""
-        return self.block_size > 1
+        return self.block.width > 1
 
 
-def block_size_for(draft: Any | None, requested: int | None, *, clamp: bool = False) -> int:
+def block_size_for(draft: Drafter | None, requested: int | None, *, clamp: bool = False) -> int:
     """The verify width for ``requested`` with this drafter: 1 without one, its trained block
     when None. Out of range raises ValueError naming the range, or is clamped into it."""
     if draft is None:
@@ -95,15 +98,15 @@ AUTO = "auto"
 
 
 def block_policy(
-    draft: Any | None, requested: BlockSize | None, *, clamp: bool = False
-) -> tuple[int, bool]:
-    """``(block_size, adaptive)`` for a requested block size: "auto" is the drafter's trained
-    block, adapted per cycle; a number (or None, the trained block) is fixed. Without a drafter
-    always ``(1, False)``. A bad number raises or is clamped as in ``block_size_for``."""
+    draft: Drafter | None, requested: BlockSize | None, *, clamp: bool = False
+) -> BlockPolicy:
+    """The policy for a requested block size: "auto" adapts per cycle up to the drafter's
+    trained block; a number (or None, the trained block) is fixed. Without a drafter always
+    plain decoding. A bad number raises or is clamped as in ``block_size_for``."""
     if draft is None:
-        return 1, False
+        return PLAIN
     if requested == AUTO:
-        return block_size_for(draft, None), True
+        return BlockPolicy(block_size_for(draft, None), auto=True)
     if isinstance(requested, str):
         raise ValueError(f"block_size must be a number or 'auto', got {requested!r}")
-    return block_size_for(draft, requested, clamp=clamp), False
+    return BlockPolicy(block_size_for(draft, requested, clamp=clamp))

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -72,26 +71,6 @@ _PYTHON_ONLY = ("logit_bias", "penalty_context_size")
 SERVED_FIELDS = tuple(n for n in SamplingParams.model_fields if n not in _PYTHON_ONLY)
 
 
-class TokenConstraint(Protocol):
-    """A grammar-style constraint (e.g. a JSON schema matcher): which tokens may come next.
-
-    Speculation asks for the allowed sets along the drafted path, then commits what was accepted,
-    so the constraint only ever advances over committed tokens (no rollback needed).
-    """
-
-    def allowed(self, drafts: Sequence[int]) -> mx.array | None:
-        """Bool mask [len(drafts) + 1, V']: row i = tokens allowed after committed + drafts[:i];
-        None when no row restricts anything (nothing to apply, e.g. before a grammar starts).
-
-        Rows past a disallowed draft are never used and may be anything. V' <= vocab size.
-        """
-        ...
-
-    def commit(self, tokens: Sequence[int]) -> None:
-        """Advance past tokens that are now part of the output."""
-        ...
-
-
 def apply_mask(logits: mx.array, mask: mx.array) -> mx.array:
     """Forbid tokens outside ``mask``; columns past the mask's width (spare embedding rows) too."""
     if mask.shape[-1] < logits.shape[-1]:
@@ -148,6 +127,11 @@ class TokenSampler:
         self._key, sub = mx.random.split(self._key)
         return sub
 
+    @property
+    def deterministic(self) -> bool:
+        """Greedy, or a black-box sampler: drafts then carry no proposal law ``q``."""
+        return self.params.greedy or self.custom is not None
+
     def next_key(self) -> mx.array:
         """A fresh PRNG key from this sampler's seeded stream (for drafters that sample)."""
         return self._next_key()
@@ -198,7 +182,7 @@ class TokenSampler:
     ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens and, when sampling, the log-probs ``log q`` they were drawn from."""
         logits = self.process(draft_logits, history)
-        if self.params.greedy or self.custom is not None:
+        if self.deterministic:
             return self.sample(logits), None
         log_q = self.logprobs(logits)
         return mx.random.categorical(log_q, key=self._next_key()), log_q

@@ -18,16 +18,11 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_server.generation.controller import BlockController, FixedBlock
-from dflash_server.generation.prefix import Checkpoint, PrefixStore, PromptSnapshot, supported
-from dflash_server.generation.sampling import (
-    TokenConstraint,
-    TokenSampler,
-    apply_mask,
-    token_logprobs,
-)
+from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
+from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
+from dflash_server.generation.sampling import TokenSampler, apply_mask, token_logprobs
 from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.drafter import DFlashDraftModel
 
 __all__ = ["Commit", "SpeculativeDecoder", "SpeculativeStats"]
 _FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
@@ -70,6 +65,7 @@ class _Cycle:
 class SpeculativeDecoder:
     """Runs one request's prefill and cycles; ``draft=None`` means plain decoding (B = 1).
 
+    ``policy`` picks each cycle's width: ``FixedBlock(B)``, or the "auto" ``BlockController``.
     ``logprobs`` (None, or the number of alternatives per token) adds log-probabilities to each
     commit; ``constraint`` restricts the target's distribution at every position (grammars).
     """
@@ -77,22 +73,19 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target: TargetModel,
-        draft: DFlashDraftModel | None,
+        draft: Drafter | None,
         sampler: TokenSampler,
-        block_size: int,
+        policy: FixedBlock | BlockController,
+        *,
         prefill_step_size: int = 2048,
         profile: bool = False,
         logprobs: int | None = None,
         constraint: TokenConstraint | None = None,
         prefix: PrefixStore | None = None,
         checkpoints: tuple[int, ...] = (),
-        policy: FixedBlock | BlockController | None = None,
     ):
         self.target, self.draft, self.sampler = target, draft, sampler
-        if draft is None or policy is None:
-            policy = FixedBlock(block_size if draft is not None else 1)
-        self.policy = policy  # the width of each cycle: fixed, or the "auto" controller
-        self.block_size = policy.block_size
+        self.policy = policy if draft is not None else FixedBlock(1)
         self.prefill_step_size = prefill_step_size
         self.logprobs, self.constraint = logprobs, constraint
         self.cache = target.make_cache()
@@ -103,10 +96,10 @@ class SpeculativeDecoder:
         self.checkpoints = frozenset(checkpoints)
         self._prefix_kind = (target.tap_ids,) if draft is not None else ()
         self.stats = SpeculativeStats(
-            self.block_size,
-            adaptive=policy.adaptive,
+            self.policy.block_size,
+            adaptive=self.policy.adaptive,
             timings={} if profile else None,
-            estimator=policy.estimate,
+            estimator=self.policy.estimate,
         )
         self._history: list[int] = []  # token ids the penalties look back over
         self._context: list[mx.array] = []  # committed taps not yet given to the drafter
@@ -206,7 +199,7 @@ class SpeculativeDecoder:
 
     def _apply_rollback(self) -> None:
         """Roll the target caches back after the last verify (deferred so that the next draft
-        is already running while the host builds these ops; docs/design.md, 'The DFlash loop')."""
+        is already running while the host builds these ops: docs/design.md, "Speed")."""
         if self._pending is not None:
             keep, fed = self._pending
             self._pending = None

@@ -1,36 +1,33 @@
 """Generation from a ``GenerationRequest``: token commits in, text segments out.
 
-``generate`` is what the engine runs; ``stream_generate`` is the reference-compatible Python API
-in front of it. Token-level termination lives in the decoder, text-level (detokenizing, stop
-strings) in ``TextStream``.
+``generate`` is what the engine runs on its ``ModelPair``; ``stream_generate`` is the
+reference-compatible Python API in front of it. Token-level termination lives in the decoder,
+text-level (detokenizing, stop strings) in ``generation/text.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_server.generation.controller import BlockController, SharedPrior
-from dflash_server.generation.costs import CostModel, costs_for
-from dflash_server.generation.prefix import PrefixStore
+from dflash_server.generation.controller import BlockController, FixedBlock
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
 from dflash_server.generation.request import (
     BlockSize,
     GenerationRequest,
     Prebuilt,
     block_policy,
 )
-from dflash_server.generation.sampling import SamplingParams, TokenConstraint, TokenSampler
-from dflash_server.generation.speculative import Commit, SpeculativeDecoder, SpeculativeStats
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import SpeculativeDecoder, SpeculativeStats
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.drafter import DFlashDraftModel
+from dflash_server.generation.text import TextStream, encode
 
 
 @dataclass
@@ -60,108 +57,38 @@ class GenerationResponse:
         return self.tokens[-1] if self.tokens else None
 
 
-def encode(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array) -> list[int]:
-    """Token ids of a prompt, tokenized like mlx-lm's generate (BOS added unless present)."""
-    if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special = bos is None or not prompt.startswith(bos)
-        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
-    return [int(t) for t in ids]
-
-
-class _StopMatcher:
-    """Holds back text that could still become a stop string; never emits past one."""
-
-    def __init__(self, stop: Sequence[str]):
-        self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """Add text; return (text safe to emit, the stop string hit first, if any)."""
-        self.pending += text
-        hits = [(at, s) for s in self.stop if (at := self.pending.find(s)) >= 0]
-        if hits:
-            at, stop = min(hits)
-            out, self.pending = self.pending[:at], ""
-            return out, stop
-        cut = max(0, len(self.pending) - self.hold)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, None
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
-class TextStream:
-    """Token commits -> text: the detokenizer plus stop strings (text-level termination)."""
-
-    def __init__(self, tokenizer: TokenizerWrapper, stop: Sequence[str]) -> None:
-        self.detokenizer = tokenizer.detokenizer
-        self.detokenizer.reset()
-        self.stops = _StopMatcher(stop)
-        self.hit: str | None = None  # the stop string that ended the text
-        self.pieces: list[str] = []  # each token's own text in the last ``feed`` (detokenized)
-
-    def feed(self, commit: Commit) -> tuple[str, int, str | None]:
-        """(text safe to emit, tokens it covers, finish reason or None)."""
-        text, finish, self.pieces = "", commit.finish, []
-        for n, token in enumerate(commit.tokens, 1):
-            self.detokenizer.add_token(token)
-            self.pieces.append(self.detokenizer.last_segment)
-            segment, self.hit = self.stops.feed(self.pieces[-1])
-            text += segment
-            if self.hit is not None:
-                return text, n, "stop"
-        if finish is not None:  # flush held-back bytes and text
-            self.detokenizer.finalize()
-            held = self.detokenizer.last_segment  # reading it consumes it
-            if self.pieces:  # bytes held back by the detokenizer belong to the last token
-                self.pieces[-1] += held
-            tail, self.hit = self.stops.feed(held)
-            text += tail if self.hit is not None else tail + self.stops.flush()
-            finish = "stop" if self.hit is not None else finish
-        return text, len(commit.tokens), finish
-
-
 def generate(
-    model: nn.Module,
-    draft: DFlashDraftModel | None,
-    tokenizer: TokenizerWrapper,
+    pair: ModelPair,
     request: GenerationRequest,
     *,
     prefill_step_size: int = 2048,
     profile: bool = False,
     prefix: PrefixStore | None = None,
-    costs: CostModel | None = None,
 ) -> Iterator[GenerationResponse]:
-    """Run one request (``draft`` must be bound to ``model``; ignored when not speculative).
+    """Run one request on a loaded pair (its drafter is ignored when not speculative).
 
     ``prefix``: a prefix cache to restore the prompt's longest cached prefix from and to keep
-    this prompt's state in (at ``request.checkpoints``). ``costs``: the pair's cycle costs for
-    ``request.adaptive`` (default: measured once per pair, see ``costs_for``).
+    this prompt's state in (at ``request.checkpoints``). ``block.auto`` decides by the pair's
+    cycle costs (``ModelPair.costs``: measured at load by the engine, else on first use).
     """
-    draft = draft if request.speculative else None
-    policy = None
-    if draft is not None and request.adaptive:
-        costs = costs if costs is not None else costs_for(model, draft)
-        policy = BlockController(request.block_size, costs.copy(), prior=SharedPrior.of(draft))
-    target = TargetModel.of(model, draft.config.target_layer_ids if draft else ())
+    draft = pair.draft if request.speculative else None
+    policy: FixedBlock | BlockController = FixedBlock(request.block.width if draft else 1)
+    if draft is not None and request.block.auto:
+        policy = BlockController(request.block.width, pair.costs().copy(), prior=pair.prior)
+    target = pair.target if draft is not None else TargetModel(pair.model, ())
+    tokenizer = pair.tokenizer
     constraint = None if request.constraint is None else request.constraint.build(tokenizer)
     decoder = SpeculativeDecoder(
         target,
         draft,
         TokenSampler(request.sampling, request.seed, request.sampler),
-        request.block_size,
-        prefill_step_size,
-        profile,
-        request.logprobs,
-        constraint,
-        prefix,
-        request.checkpoints,
         policy,
+        prefill_step_size=prefill_step_size,
+        profile=profile,
+        logprobs=request.logprobs,
+        constraint=constraint,
+        prefix=prefix,
+        checkpoints=request.checkpoints,
     )
     text = TextStream(tokenizer, request.stop)
     prompt = list(request.prompt)
@@ -197,42 +124,9 @@ def generate(
             return
 
 
-class WiredLimit:
-    """mlx-lm's ``wired_limit`` for one model (Metal: keep weights resident; no-op on CPU), held
-    by the engine for its lifetime, or by each Python API generation; the first holder sets it
-    and the last restores it, so interleaved holders never restore it out of order."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model, self.holders = model, 0
-        self._context: contextlib.AbstractContextManager | None = None
-        self._lock = threading.Lock()
-
-    @classmethod
-    def of(cls, model: nn.Module) -> WiredLimit:
-        """The one holder per model, kept on the model itself."""
-        if "_dflash_wired_limit" not in model.__dict__:
-            model.__dict__["_dflash_wired_limit"] = cls(model)
-        return model.__dict__["_dflash_wired_limit"]
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        with self._lock:
-            if self.holders == 0:
-                self._context = wired_limit(self.model, [generation_stream])
-                self._context.__enter__()
-            self.holders += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.holders -= 1
-                if self.holders == 0 and self._context is not None:
-                    self._context.__exit__(None, None, None)
-
-
 def stream_generate(
     model: nn.Module,
-    draft: DFlashDraftModel | None,
+    draft: Drafter | None,
     tokenizer: TokenizerWrapper,
     prompt: str | Sequence[int] | mx.array,
     block_size: BlockSize | None = None,
@@ -270,22 +164,17 @@ def stream_generate(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias,
     )  # fmt: skip
-    if draft is not None:
-        draft.bind(model)  # cheap; the engine binds once at load and calls ``generate``
-    width, adaptive = block_policy(draft, block_size)
+    pair = ModelPair.of(model, tokenizer, draft)
     request = GenerationRequest(
         prompt=tuple(encode(tokenizer, prompt)),
         max_tokens=max_tokens,
         sampling=sampling,
         seed=seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        block_size=width,
-        adaptive=adaptive,
+        block=block_policy(draft, block_size),
         logprobs=logprobs,
         constraint=None if constraint is None else Prebuilt(constraint),
         sampler=sampler,
     )
-    with WiredLimit.of(model).held():
-        yield from generate(
-            model, draft, tokenizer, request, prefill_step_size=prefill_step_size, profile=profile
-        )
+    with pair.wired.held():
+        yield from generate(pair, request, prefill_step_size=prefill_step_size, profile=profile)

@@ -1,0 +1,1 @@
+"""Drafter modules (DFlash, DFlash2, config variants, loading) and the target's hooks."""

@@ -19,20 +19,19 @@ plain ``[V, r]`` matrices named without ``.weight``, exactly as stored; the load
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from dflash_server.models.context import ContextCache
 from dflash_server.models.drafter import (
-    ContextCache,
     DFlashConfig,
     DFlashDecoderLayer,
     DFlashDraftModel,
+    DraftSampler,
 )
-
-if TYPE_CHECKING:
-    from dflash_server.generation.sampling import TokenSampler
+from dflash_server.models.variants import dflash2_kwargs
 
 # Kept in higher precision by ``quant_predicate``: the conv projections set multiplicative
 # per-position kernels, the selector's scores add to logits; together ~5 % of a layer's weights.
@@ -67,8 +66,6 @@ class DFlash2Config(DFlashConfig):
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DFlash2Config:
         """Parse a DFlash2 ``config.json``; a missing key raises a ValueError naming it."""
-        from dflash_server.models.variants import dflash2_kwargs
-
         return cls(**dflash2_kwargs(cfg))
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,7 +147,7 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(config.hidden_size, r, bias=False)
 
     def propose(
-        self, hidden: mx.array, logits: mx.array, anchor: mx.array, sampler: TokenSampler
+        self, hidden: mx.array, logits: mx.array, anchor: mx.array, sampler: DraftSampler
     ) -> tuple[mx.array, mx.array | None]:
         """Drafts for rows 1..N (``hidden [N, H]``, processed ``logits [N, V]``) from ``anchor``.
 
@@ -168,7 +165,7 @@ class CandidateSelector(nn.Module):
         first = unary[0] + successors[0] @ (self.predecessor_codebook[anchor] * projected[0])
         before = self.predecessor_codebook[candidates[:-1]].astype(mx.float32)
         edges = (before * projected[1:, None]) @ successors[1:].transpose(0, 2, 1)
-        greedy = sampler.params.greedy or sampler.custom is not None
+        greedy = sampler.deterministic
         keys = None if greedy else mx.random.split(sampler.next_key(), N)
         scores, picks, rows = first, [], []
         for i in range(N):
@@ -220,7 +217,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         block_ids: mx.array,
         target_hidden: mx.array | None,
         cache: list[ContextCache],
-        sampler: TokenSampler,
+        sampler: DraftSampler,
         history: mx.array | None,
     ) -> tuple[mx.array, mx.array | None]:
         """The drafter contract (see ``DFlashDraftModel.propose``) through the selector."""

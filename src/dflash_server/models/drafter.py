@@ -12,7 +12,7 @@ these modules (``dflash2.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,17 +20,30 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from dflash_server.models.context import ContextCache
 from dflash_server.models.fused import Norm, rope_at
+from dflash_server.models.target_parts import find_target_parts
+from dflash_server.models.variants import (
+    OPTIONAL_DEFAULTS,
+    dflash_kwargs,
+    target_logit_scale,
+)
+from dflash_server.models.window import SinkContextCache, apply_draft_window
 
-if TYPE_CHECKING:
-    from dflash_server.generation.sampling import TokenSampler
 
+class DraftSampler(Protocol):
+    """What a drafter asks of the decoder's sampler (``generation.sampling.TokenSampler``)."""
 
-def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
-    """Taps spread over the target's depth, as the reference trainer picks them."""
-    if num_taps == 1:
-        return (num_target_layers // 2,)
-    step = (num_target_layers - 4) / (num_taps - 1)
-    return tuple(round(1 + i * step) for i in range(num_taps))
+    processors: list[Any]  # logits processors (penalties); empty when there are none
+
+    @property
+    def deterministic(self) -> bool:  # greedy or a black-box sampler: drafts carry no q
+        ...
+
+    def next_key(self) -> mx.array: ...
+    def process(self, logits: mx.array, history: mx.array) -> mx.array: ...
+    def logprobs(self, logits: mx.array) -> mx.array: ...
+    def propose(
+        self, draft_logits: mx.array, history: mx.array | None
+    ) -> tuple[mx.array, mx.array | None]: ...
 
 
 @dataclass
@@ -86,8 +99,6 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DFlashConfig:
         """Parse a drafter ``config.json`` (flat keys plus nested ``dflash_config``)."""
-        from dflash_server.models.variants import dflash_kwargs
-
         return cls(**dflash_kwargs(cfg))
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,8 +107,6 @@ class DFlashConfig:
         dflash = {"target_layer_ids": list(out.pop("target_layer_ids"))}
         dflash["mask_token_id"] = out.pop("mask_token_id")
         out["layer_types"] = list(out["layer_types"])
-        from dflash_server.models.variants import OPTIONAL_DEFAULTS
-
         for name, default in OPTIONAL_DEFAULTS.items():  # published v1 configs omit these
             if out.get(name) == default:
                 out.pop(name)
@@ -149,8 +158,6 @@ class DFlashAttention(nn.Module):
 
     def make_cache(self) -> ContextCache:
         if self.window is None and self.context_window is not None:
-            from dflash_server.models.window import SinkContextCache
-
             return SinkContextCache(*self.context_window)
         return ContextCache(None if self.window is None else self.window - 1)
 
@@ -255,9 +262,6 @@ class DFlashDraftModel(nn.Module):
         A config left at multiplier 1 without softcap takes the target's own logit scale (as the
         reference does for "assistant" heads), so draft and target logits share one scale.
         """
-        from dflash_server.models.target_parts import find_target_parts
-        from dflash_server.models.variants import target_logit_scale
-
         parts = find_target_parts(target)
         check_pair(self.config, parts.hidden_size, parts.vocab_size, parts.num_layers)
         scale = (self.config.output_multiplier, self.config.final_logit_softcapping)
@@ -265,6 +269,10 @@ class DFlashDraftModel(nn.Module):
             scale = target_logit_scale(target) or scale
         self._bound = _BoundTarget(parts.embed_tokens, parts.lm_head, *scale)
         return self
+
+    def set_window(self, window: int | None) -> int | None:
+        """Bound the full-attention layers' context (docs/design.md, "Drafter window")."""
+        return apply_draft_window(self, window)
 
     def make_cache(self) -> list[ContextCache]:
         return [layer.self_attn.make_cache() for layer in self.layers]
@@ -321,7 +329,7 @@ class DFlashDraftModel(nn.Module):
         block_ids: mx.array,
         target_hidden: mx.array | None,
         cache: list[ContextCache],
-        sampler: TokenSampler,
+        sampler: DraftSampler,
         history: mx.array | None,
     ) -> tuple[mx.array, mx.array | None]:
         """Drafts for block positions 1..B-1 and the log-probs ``log q`` they were drawn from

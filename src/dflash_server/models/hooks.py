@@ -2,15 +2,15 @@
 
 * taps: each tapped decoder layer instance gets a subclass whose ``__call__`` also keeps its output
   (the residual stream after the layer), for the drafter's context;
-* Gated DeltaNet recording, for exact rollback after a partly accepted verify (see
-  docs/design.md, 'Hybrid rollback'): each GDN layer's conv input (the conv1d instance gets a
-  recording subclass) and its recurrence (the module-level ``gated_delta_update`` that mlx-lm's
-  layer calls is swapped only while a verify is being recorded, then restored).
+* Gated DeltaNet recording, for exact rollback after a partly accepted verify (docs/design.md,
+  "Hybrid rollback"): each GDN layer's conv input (the conv1d instance gets a recording
+  subclass) and its recurrence (the module-level ``gated_delta_update`` that mlx-lm's layer
+  calls is swapped only while a verify is being recorded, then restored).
 
-mlx-lm's code and parameter trees stay untouched. ``TargetHooks.of(model)`` installs the hooks
-and runs ``self_check``: a two-token forward that must record what rollback needs and roll back
-exactly, so an mlx-lm release that renames or restructures these parts fails at load time with a
-message naming the version, never mid-request.
+mlx-lm's code and parameter trees stay untouched. ``TargetHooks.of(model)`` installs the hooks;
+``generation.target.check_rollback`` then runs a two-token forward that must record what rollback
+needs and roll back exactly, so an mlx-lm release that renames or restructures these parts fails
+at load time with a message naming the version, never mid-request.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def _mlx_lm_version() -> str:
         return "unknown"
 
 
-def _hook_error(what: str) -> HookError:
+def hook_error(what: str) -> HookError:
+    """A HookError naming the installed mlx-lm version and what changed."""
     return HookError(
         f"mlx-lm {_mlx_lm_version()} changed what DFlash hooks into: {what}. dflash-server is "
         "tested with mlx-lm 0.31-0.32: install one of those (pip install 'mlx-lm<0.33') or "
@@ -128,6 +129,7 @@ class TargetHooks:
         self.parts = find_target_parts(model)
         self.taps: dict[int, mx.array] = {}  # layer index -> its latest output
         self.active: Recording | None = None
+        self.checked = False  # set once rollback was checked exactly on this model
         # GDN layers, and the mlx-lm modules whose gated_delta_update they call.
         self.gdn: list[nn.Module] = []
         self.originals: dict[ModuleType, Any] = {}
@@ -137,9 +139,9 @@ class TargetHooks:
                 continue
             module = sys.modules[type(gdn).__module__]
             if not callable(getattr(module, "gated_delta_update", None)):
-                raise _hook_error(f"{module.__name__} has no gated_delta_update")
+                raise hook_error(f"{module.__name__} has no gated_delta_update")
             if not isinstance(getattr(gdn, "conv1d", None), nn.Module):
-                raise _hook_error(f"{type(gdn).__name__} has no conv1d module")
+                raise hook_error(f"{type(gdn).__name__} has no conv1d module")
             self.originals[module] = module.gated_delta_update
             if type(gdn.conv1d) not in _RECORDING_CONV.values():
                 gdn.conv1d.__class__ = _recording_conv_class(type(gdn.conv1d))
@@ -148,12 +150,12 @@ class TargetHooks:
 
     @classmethod
     def of(cls, model: nn.Module) -> TargetHooks:
-        """The hooks of ``model``, installed and self-checked on first use."""
+        """The hooks of ``model``, installed on first use (they change its layers, so they live on
+        it); ``generation.target.TargetModel`` runs their self-check once."""
         hooks = model.__dict__.get("_dflash_hooks")
         if hooks is None:
             hooks = cls(model)
             model.__dict__["_dflash_hooks"] = hooks
-            hooks.self_check()
         return hooks
 
     def tap(self, layer_ids: tuple[int, ...]) -> None:
@@ -207,41 +209,3 @@ class TargetHooks:
     def replay(self, gdn: nn.Module) -> Any:
         """mlx-lm's own recurrence for this GDN layer (to replay a kept prefix)."""
         return self.originals[sys.modules[type(gdn).__module__]]
-
-    def self_check(self) -> None:
-        """Record a two-token forward, roll it back to one token, compare with a one-token run."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        from dflash_server.generation.rollback import CacheRollback
-
-        backbone = self.parts.backbone
-        tokens = mx.array([[1, 2]])
-        recorded = make_prompt_cache(self.model)
-        rollback = CacheRollback(self, recorded)
-        with rollback.recording() as recording:
-            backbone(tokens, recorded)
-        if len(recording.updates) != len(self.gdn):
-            raise _hook_error(
-                f"{len(recording.updates)} of {len(self.gdn)} Gated DeltaNet layers called "
-                "gated_delta_update through their module"
-            )
-        if len(recording.conv_inputs) != len(self.gdn):
-            raise _hook_error("Gated DeltaNet layers no longer call their conv1d module")
-        rollback.rollback(keep=1, fed=2)
-        reference = make_prompt_cache(self.model)
-        backbone(tokens[:, :1], reference)
-        for i, (a, b) in enumerate(zip(recorded, reference)):
-            same = all(
-                x.shape == y.shape and mx.allclose(x, y, atol=1e-4).item()
-                for x, y in zip(_contents(a), _contents(b))
-            )
-            if not same:
-                raise _hook_error(f"layer {i}'s cache does not roll back exactly")
-
-
-def _contents(cache: Any) -> list[mx.array]:
-    """Comparable content of a layer cache: KV up to its offset, or the recurrent arrays."""
-    if cache.is_trimmable():
-        n = cache.offset
-        return [cache.keys[..., :n, :], cache.values[..., :n, :], mx.array(n)]
-    return [x for x in cache.cache if x is not None]

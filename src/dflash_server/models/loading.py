@@ -20,6 +20,7 @@ from mlx_lm.utils import infer_quant_config
 from dflash_server.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
 from dflash_server.models.variants import assistant_kwargs
+from dflash_server.models.window import default_window
 
 _DRAFT_PATTERNS = ["*.safetensors", "*.json"]
 
@@ -150,9 +151,7 @@ def load_draft(
     load_weights_strict(model, weights, source=f"{path} ({family.name} layout)")
     model.eval()
     mx.eval(model.parameters())
-    from dflash_server.models.window import apply_draft_window, default_window
-
-    apply_draft_window(model, sliding_window_size or default_window(model))
+    model.set_window(sliding_window_size or default_window(model))
     if target is not None:
         model.bind(target)
     return model

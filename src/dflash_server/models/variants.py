@@ -59,10 +59,16 @@ def _missing(cfg: dict[str, Any], keys: tuple[str, ...], where: str = "") -> Non
         )
 
 
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """Taps spread over the target's depth, as the reference trainer picks them."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    step = (num_target_layers - 4) / (num_taps - 1)
+    return tuple(round(1 + i * step) for i in range(num_taps))
+
+
 def dflash_kwargs(cfg: dict[str, Any], *, need_vocab: bool = True) -> dict[str, Any]:
     """The keys every family shares (``DFlashConfig``'s fields), from a raw ``config.json``."""
-    from dflash_server.models.drafter import default_target_layer_ids
-
     _missing(cfg, tuple(k for k in _REQUIRED_KEYS if need_vocab or k != "vocab_size"))
     dflash = cfg.get("dflash_config") or {}
     rope = cfg.get("rope_parameters") or {}

@@ -1,6 +1,6 @@
 """A bounded drafter context: a few "sink" positions plus the newest ones.
 
-See docs/design.md, 'Long contexts: the draft window'.
+See docs/design.md, "Drafter window".
 
 A DFlash drafter's full-attention layers attend to every committed position, so drafting costs
 more with every token of a long context (attention over the context K/V, and its memory). With
@@ -99,11 +99,7 @@ def apply_draft_window(draft: Any, window: int | None, sinks: int = SINKS) -> in
     window = window or None
     if window is not None and window <= sinks:
         raise ValueError(f"draft window must be > {sinks} (its sink positions), got {window}")
-    layers = getattr(draft, "layers", None)
-    if layers is None:  # test doubles wrap a real drafter
-        inner = getattr(draft, "inner", None)
-        return None if inner is None else apply_draft_window(inner, window, sinks)
-    for layer in layers:
+    for layer in draft.layers:
         attn = layer.self_attn
         if attn.window is None:  # full attention; sliding layers keep their trained window
             object.__setattr__(attn, "context_window", None if window is None else (window, sinks))

@@ -91,7 +91,7 @@ def read_prompts(args: argparse.Namespace) -> dict[str, str]:
 
 
 def encode(tokenizer: Any, text: str, raw: bool) -> list[int]:
-    from dflash_server.generation.stream import encode as encode_text
+    from dflash_server.generation.text import encode as encode_text
 
     if not raw and getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
@@ -114,19 +114,17 @@ def decode_once(models: Any, prompt: list[int], mode: str, args: argparse.Namesp
     from dflash_server.generation.sampling import SamplingParams
     from dflash_server.generation.stream import generate
 
-    draft = None if mode == "plain" else models.draft
-    width, adaptive = block_policy(draft, "auto" if mode == "auto" else _int(mode), clamp=True)
+    draft = None if mode == "plain" else models.pair.draft
     request = GenerationRequest(
         tuple(prompt),
         args.max_tokens,
         SamplingParams(temperature=args.temperature),
         seed=0,
-        block_size=width,
-        adaptive=adaptive,
+        block=block_policy(draft, "auto" if mode == "auto" else _int(mode), clamp=True),
     )
     start = time.perf_counter()
     first, tokens, last = None, 0, None
-    for response in generate(models.model, draft, models.tokenizer, request):
+    for response in generate(models.pair, request):
         first = first or time.perf_counter()
         tokens += len(response.tokens)
         last = response
@@ -144,10 +142,10 @@ def profile_split(models: Any, prompt: list[int], mode: str, max_tokens: int) ->
     from dflash_server.generation.request import GenerationRequest, block_policy
     from dflash_server.generation.stream import generate
 
-    draft = None if mode == "plain" else models.draft
-    width, adaptive = block_policy(draft, "auto" if mode == "auto" else _int(mode), clamp=True)
-    request = GenerationRequest(tuple(prompt), max_tokens, block_size=width, adaptive=adaptive)
-    responses = list(generate(models.model, draft, models.tokenizer, request, profile=True))
+    draft = None if mode == "plain" else models.pair.draft
+    block = block_policy(draft, "auto" if mode == "auto" else _int(mode), clamp=True)
+    request = GenerationRequest(tuple(prompt), max_tokens, block=block)
+    responses = list(generate(models.pair, request, profile=True))
     stats = responses[-1].stats if responses else None
     if stats is None or not stats.cycles:
         return {}
@@ -243,11 +241,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from huggingface_hub.utils import tqdm
 
-    if models.draft is not None:  # fixed widths as they run: clamped to the drafter's block
-        trained = int(models.draft.config.block_size)
+    if models.pair.draft is not None:  # fixed widths as they run: clamped to the drafter's block
+        trained = int(models.pair.draft.config.block_size)
         modes = list(dict.fromkeys(m if not m.isdigit() else str(max(2, min(int(m), trained)))
                                    for m in modes))  # fmt: skip
-    encoded = {name: encode(models.tokenizer, text, args.raw) for name, text in prompts.items()}
+    encoded = {
+        name: encode(models.pair.tokenizer, text, args.raw) for name, text in prompts.items()
+    }
     first = next(iter(encoded.values()))
     decode_once(models, first[:64], "auto", argparse.Namespace(**{**vars(args), "max_tokens": 8}))
     runs: dict[str, dict[str, list[Run]]] = {m: {p: [] for p in encoded} for m in modes}
@@ -262,11 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = {m: profile_split(models, first, m, min(args.max_tokens, 64)) for m in modes}
     summary = models.summary
     result = {
-        "target": summary.get("target"),
-        "draft": summary.get("draft"),
-        "draft_family": getattr(models.draft, "family", "DFlash"),
-        "draft_window": summary.get("draft_window"),
-        "cycle_costs": summary.get("cycle_costs"),
+        "target": summary.target,
+        "draft": summary.draft,
+        "draft_family": summary.draft_family or "DFlash",
+        "draft_window": summary.draft_window,
+        "cycle_costs": summary.cycle_costs,
         "max_tokens": args.max_tokens,
         "prompts": list(encoded),
         "rows": summarize(runs, modes),

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
+from dflash_server.generation.controller import FixedBlock
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -89,11 +90,13 @@ def decode(
     tok/s counts generated tokens after the prefill's first token over decode time only.
     """
     taps = draft.config.target_layer_ids if draft is not None else ()
-    target = TargetModel.of(model, taps)
+    target = TargetModel(model, taps)
     size = (block_size or draft.config.block_size) if draft is not None else 1
     outs, cycles, committed, generated, seconds = [], 0, 0, 0, 0.0
     for prompt in prompts:
-        decoder = SpeculativeDecoder(target, draft, TokenSampler(SamplingParams(), 0), size)
+        decoder = SpeculativeDecoder(
+            target, draft, TokenSampler(SamplingParams(), 0), FixedBlock(size)
+        )
         out: list[int] = []
         start = 0.0
         for i, chunk in enumerate(decoder.generate(list(prompt), max_tokens)):
@@ -122,7 +125,7 @@ def logit_error(
     spaced anchor positions. Reports max |delta logit|, mean KL(reference || other), top-1 agreement.
     """
     B = reference.config.block_size
-    target = TargetModel.of(model, reference.config.target_layer_ids)
+    target = TargetModel(model, reference.config.target_layer_ids)
     ids = mx.array(list(sample))[None]
     _, taps = target.forward(ids, None, None)
     positions = sorted(

@@ -148,7 +148,7 @@ class Trainer:
         self.train_windows = windows[: len(windows) - n_eval]
         eval_len = min(args.eval_prompt_len, args.seq_len)
         self.eval_prompts = windows[len(windows) - n_eval :, :eval_len]
-        self.target = TargetModel.of(self.model, cfg.target_layer_ids)
+        self.target = TargetModel(self.model, cfg.target_layer_ids)
         use_target = args.labels == "target"
         if args.hidden_states == "cache":
             folder = Path(args.cache_dir or self.out / "hidden_cache").expanduser()

@@ -11,8 +11,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 
-from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
 from dflash_server.models.target_parts import find_target_parts
+from dflash_server.models.variants import default_target_layer_ids
 
 _MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 

@@ -18,9 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from dflash_server.engine.logprobs import hf_tokenizer
-from dflash_server.generation.request import ConstraintSpec
-from dflash_server.generation.sampling import TokenConstraint
+from dflash_server.chat.logprobs import hf_tokenizer
+from dflash_server.generation.protocols import ConstraintSpec, TokenConstraint
 
 
 class ThinkingBudget:

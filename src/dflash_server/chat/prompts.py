@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_server.engine.reasoning import prompt_reasoning
+from dflash_server.chat.reasoning import prompt_reasoning
 from dflash_server.generation.request import Reasoning
-from dflash_server.generation.stream import encode
+from dflash_server.generation.text import encode
 
 
 class PromptError(ValueError):

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from dflash_server.engine.logprobs import hf_tokenizer
+from dflash_server.chat.logprobs import hf_tokenizer
 
 try:  # optional at import time so the rest of the server works without it
     import llguidance
@@ -150,7 +150,7 @@ def tool_call_grammar(
     Each call is complete and its values have their schema's type; strings are kept to one
     line without '<' (a limit of forcing, not of the parser).
     """
-    from dflash_server.engine.tool_calls import tool_schemas
+    from dflash_server.chat.tool_calls import tool_schemas
 
     ll = ll_tokenizer(tokenizer)
     open_, close = _marker(ll, tokenizer, "<tool_call>"), _marker(ll, tokenizer, "</tool_call>")

@@ -1,0 +1,174 @@
+"""Measuring a pair's ``CostModel`` by running it: component timings, then a short real decode.
+
+``measure_costs`` times pipelined plain steps, a few recorded verify widths and the drafter pass
+on a short context (a second or two), then calibrates each width by decoding a few real cycles
+at it (the loop's own host work, sync and bookkeeping, is what component timings miss). It sits
+above ``speculative.py``, which it runs; the controller only reads the resulting ``CostModel``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+
+from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.costs import CostModel
+from dflash_server.generation.protocols import Drafter
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.target import TargetModel
+
+
+def _widths(block: int) -> list[int]:
+    return sorted({w for w in (1, 2, 4, 8, 16, 32) if w < block} | {block})
+
+
+def measure_costs(
+    model: nn.Module,
+    draft: Drafter,
+    *,
+    context: int = 64,
+    plain_steps: int = 8,
+    budget_s: float = 3.0,
+    calibrate: bool = True,
+) -> CostModel:
+    """Time plain decoding (``plain_steps`` pipelined steps, as the decoder runs them), recorded
+    verifies of a few widths and the drafter pass, each after a warm-up, on a ``context``-token
+    prompt. Each is repeated 3 to 9 times (more when cheap; fewer once ``budget_s`` is spent)
+    and the median kept; the curves are made non-decreasing in width (noise, not physics, makes
+    a wider verify look cheaper). The other widths run once, untimed, so their compiled graphs
+    exist before a request needs them. ``calibrate``: then decode a few real steps and cycles
+    and start the corrections from what they took (``_calibrate``).
+
+    Runs MLX work: call it on the thread that owns the models (the engine's worker).
+    """
+    start = time.perf_counter()
+    block = int(draft.config.block_size)
+    target = TargetModel(model, tuple(draft.config.target_layer_ids))
+    ids = mx.arange(1, context + block + 1)[None] % 97 + 1
+    with mx.stream(generation_stream):
+        cache = target.make_cache()
+        _, taps = target.forward(ids[:, :context], cache, slice(-1, None))
+        draft_cache = draft.make_cache()
+        draft.append_context(taps, draft_cache)
+        mx.eval([c.state for c in cache], [c.state for c in draft_cache])
+    rollback = target.make_rollback(cache)
+
+    def timed(run: Any) -> float:
+        """Median of ``run()``'s own timings (it times only what a cycle would pay)."""
+        run()  # warm-up: kernels, allocations, compiled graphs
+        runs: list[float] = []
+        while len(runs) < 3 or (len(runs) < 9 and sum(runs) < 0.1):
+            runs.append(run())
+            if time.perf_counter() - start > budget_s and len(runs) >= 1:
+                break
+        return statistics.median(runs)
+
+    def plain() -> float:
+        saved = [list(c.cache) if not c.is_trimmable() else None for c in cache]
+        with mx.stream(generation_stream):
+            t0 = time.perf_counter()
+            token = ids[:, context : context + 1]
+            for _ in range(plain_steps):  # the next step is queued before this one is read
+                logits, _ = target.forward(token, cache, slice(None))
+                token = mx.argmax(logits[:, -1:], axis=-1)
+                mx.async_eval(token)
+            mx.eval(token)
+            seconds = (time.perf_counter() - t0) / plain_steps
+        for c, slots in zip(cache, saved):  # back to the prompt
+            if slots is None:
+                c.trim(plain_steps)
+            else:
+                c.cache = slots
+        return seconds
+
+    def verify(width: int) -> Any:
+        def run() -> float:
+            with mx.stream(generation_stream):
+                t0 = time.perf_counter()
+                with rollback.recording():
+                    tokens = ids[:, context : context + width]
+                    logits, t = target.forward(tokens, cache, slice(None))
+                mx.eval(mx.argmax(logits, axis=-1), t)
+                seconds = time.perf_counter() - t0
+                rollback.rollback(keep=0, fed=width)  # back to the prompt, untimed
+                mx.eval([c.state for c in cache])
+            return seconds
+
+        return run
+
+    def drafting(size: int) -> Any:
+        block_ids = mx.array([[1] + [draft.config.mask_token_id] * (size - 1)])
+        greedy = TokenSampler(SamplingParams())
+
+        def run() -> float:  # the drafter contract, so any family's selector is timed too
+            with mx.stream(generation_stream):
+                t0 = time.perf_counter()
+                mx.eval(draft.propose(block_ids, None, draft_cache, greedy, None)[0])
+                return time.perf_counter() - t0
+
+        return run
+
+    costs = CostModel(
+        plain=timed(plain),
+        verify=_rising({w: timed(verify(w)) for w in _widths(block) if w > 1}),
+        draft=_rising({s: timed(drafting(s)) for s in sorted({2, block})}),
+    )
+    costs.verify[1] = min(costs.plain, min(costs.verify.values()))  # for display and slopes
+    for width in range(2, block):  # compile every width's graphs now, not in a request
+        if width not in costs.verify:
+            verify(width)()
+            drafting(width)()
+    if calibrate:
+        _calibrate(costs, target, draft, ids[0, :context].tolist(), _widths(block))
+    costs.measured_s = time.perf_counter() - start
+    return costs
+
+
+def _calibrate(
+    costs: CostModel,
+    target: TargetModel,
+    draft: Drafter,
+    prompt: list[int],
+    widths: list[int],
+    rounds: int = 2,
+) -> None:
+    """Start each width's residual from a short real decode at that width (plain steps and
+    cycles, interleaved over ``rounds``, medians): the loop's own host work per cycle (sync,
+    commit, bookkeeping) is what component timings miss, and it weighs differently by width."""
+
+    def periods(width: int, cycles: int) -> list[float]:
+        sampler = TokenSampler(SamplingParams())
+        decoder = SpeculativeDecoder(
+            target, draft if width > 1 else None, sampler, FixedBlock(width)
+        )
+        stamps = []
+        for _ in decoder.generate(prompt, (cycles + 2) * width):
+            stamps.append(time.perf_counter())
+            if len(stamps) == cycles + 2:
+                break
+        return [b - a for a, b in itertools.pairwise(stamps[1:])]  # after the prefill: cycles
+
+    gaps: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(rounds):
+        for width in widths:
+            gaps[width] += periods(width, 6 if width == 1 else 3)
+    loop = {w: statistics.median(seconds) for w, seconds in gaps.items() if seconds}
+    spec = _rising({w: t for w, t in loop.items() if w > 1})  # a wider cycle never costs less
+    for width, seconds in {**loop, **spec}.items():
+        costs.residual[width] = math.log(seconds / costs.base(width))
+
+
+def _rising(points: dict[int, float]) -> dict[int, float]:
+    out, top = {}, 0.0
+    for width in sorted(points):
+        top = max(top, points[width])
+        out[width] = top
+    return out

@@ -1,0 +1,102 @@
+"""Everything the decoding core asks of the outside world, in one place.
+
+A drafter (DFlash, DFlash2, test doubles), a token constraint (grammars, thinking budgets) and
+the constraint a request carries, and a prefix store (the engine's prefix cache). The core
+depends on these shapes only, never on the classes that implement them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+if TYPE_CHECKING:
+    from dflash_server.generation.prefix import PromptSnapshot
+    from dflash_server.models.drafter import DraftSampler
+
+
+class DraftConfig(Protocol):
+    """The drafter config fields the decoder reads."""
+
+    block_size: int  # the block the drafter was trained on: the widest verify
+    mask_token_id: int  # fills block positions 1..B-1 of the drafter's input
+    target_layer_ids: tuple[int, ...]  # the target layers whose outputs are its context
+
+
+class Drafter(Protocol):
+    """What the decoder needs from a drafter (docs/design.md, "The DFlash loop")."""
+
+    config: DraftConfig
+
+    def bind(self, target: nn.Module) -> Drafter:
+        """Borrow the target's embedding and lm_head; raise ValueError when the pair misfits."""
+        ...
+
+    def make_cache(self) -> list[Any]:
+        """A fresh context cache (committed positions only: it never needs a rollback)."""
+        ...
+
+    def append_context(self, target_hidden: mx.array, cache: list[Any]) -> None:
+        """Add committed positions' taps ([1, T, L*H]) to the context."""
+        ...
+
+    def propose(
+        self,
+        block_ids: mx.array,
+        target_hidden: mx.array | None,
+        cache: list[Any],
+        sampler: DraftSampler,
+        history: mx.array | None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """Drafts for block positions 1..B-1 and the log-probs ``log q`` they were drawn from
+        (None when greedy), in one drafter pass over ``[last, mask, ...]``."""
+        ...
+
+    def set_window(self, window: int | None) -> int | None:
+        """Bound the full-attention layers' context (None: all of it); return the window used."""
+        ...
+
+
+class TokenConstraint(Protocol):
+    """A grammar-style constraint (e.g. a JSON schema matcher): which tokens may come next.
+
+    Speculation asks for the allowed sets along the drafted path, then commits what was accepted,
+    so the constraint only ever advances over committed tokens (no rollback needed).
+    """
+
+    def allowed(self, drafts: Sequence[int]) -> mx.array | None:
+        """Bool mask [len(drafts) + 1, V']: row i = tokens allowed after committed + drafts[:i];
+        None when no row restricts anything (nothing to apply, e.g. before a grammar starts).
+
+        Rows past a disallowed draft are never used and may be anything. V' <= vocab size.
+        """
+        ...
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Advance past tokens that are now part of the output."""
+        ...
+
+
+class ConstraintSpec(Protocol):
+    """What a request carries to restrict its tokens; built into a stateful matcher per run."""
+
+    def build(self, tokenizer: Any) -> TokenConstraint: ...
+
+
+class PrefixStore(Protocol):
+    """Where the decoder finds and leaves prompt snapshots (the engine's prefix cache).
+
+    ``kind`` tells snapshots apart that hold different state for the same tokens (e.g. with or
+    without the drafter's context, other taps).
+    """
+
+    def lookup(self, kind: tuple, prompt: Sequence[int]) -> tuple[PromptSnapshot, int] | None:
+        """The snapshot to restore and how many tokens of ``prompt`` it restores."""
+        ...
+
+    def store(self, kind: tuple, snapshot: PromptSnapshot) -> None:
+        """Keep a prompt's snapshot for later requests."""
+        ...

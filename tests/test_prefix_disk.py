@@ -1,0 +1,211 @@
+"""Prefix cache disk tier: a file read back after a restart is restored only when its checksum
+holds; a damaged, truncated, reshaped, checksum-less or other models' file is never used (the
+request prefills cold, token-identical), a warning names it, and damaged files are removed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dflash_server.chat.prompts import render_chat
+from dflash_server.engine.prefix_cache import PrefixCache
+from dflash_server.engine.prefix_disk import PrefixDisk
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
+from dflash_server.generation.stream import generate
+from dflash_server.testing import random_drafter
+from server_fixtures import build_draft, make_app, run_server
+
+BIG = 1 << 30
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant. " * 8},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def run(model, draft, tokenizer, prompt, cache) -> tuple[list[int], int]:
+    """Greedy tokens of one request and its cached_tokens."""
+    request = GenerationRequest(
+        tuple(prompt.tokens), 12, checkpoints=prompt.checkpoints, block=BlockPolicy(4)
+    )
+    pair = ModelPair.of(model, tokenizer, draft)
+    out = list(generate(pair, request, prefill_step_size=16, prefix=cache))
+    return [t for r in out for t in r.tokens], out[-1].stats.cached_tokens
+
+
+def split(path: Path) -> tuple[dict[str, Any], bytes]:
+    """A safetensors file as (header, tensor bytes)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def join(path: Path, header: dict[str, Any], body: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+def zero_middle(path: Path) -> None:
+    """The middle half of the tensor bytes zeroed; the header intact."""
+    header, body = split(path)
+    q = len(body) // 4
+    join(path, header, body[:q] + bytes(2 * q) + body[3 * q :])
+
+
+def zero_header(path: Path) -> None:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    path.write_bytes(bytes(8 + n) + data[8 + n :])
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 3 // 4])
+
+
+def reshape(path: Path) -> None:
+    """A valid header giving a tensor another shape of the same size (only the checksum sees it)."""
+    header, body = split(path)
+    name = next(k for k, t in header.items() if k.startswith("ckpt.") and len(set(t["shape"])) > 2)
+    header[name]["shape"] = header[name]["shape"][::-1]
+    join(path, header, body)
+
+
+def wrong_size(path: Path) -> None:
+    """A valid header whose shape does not fit the tensor's bytes."""
+    header, body = split(path)
+    name = next(k for k in header if k.startswith("kv."))
+    header[name]["shape"][-1] *= 2
+    join(path, header, body)
+
+
+def old_format(path: Path) -> None:
+    """A file as the previous version wrote it: no checksum."""
+    header, body = split(path)
+    meta = header["__metadata__"]
+    meta["format"] = "dflash-prefix-1"
+    del meta["checksum"]
+    join(path, header, body)
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "zeroed middle": zero_middle,
+    "zeroed header": zero_header,
+    "truncated": truncate,
+    "reshaped": reshape,
+    "wrong size": wrong_size,
+    "no checksum": old_format,
+}
+
+
+@pytest.fixture
+def models(tiny_hybrid) -> tuple[Any, Any, Any, Any]:
+    model, tokenizer = tiny_hybrid
+    draft = random_drafter(model, block_size=4)
+    prompt = render_chat(tokenizer, CHAT, enable_thinking=True)
+    return model, draft, tokenizer, prompt
+
+
+def persist(models, folder: Path, fingerprint: str = "models-a") -> tuple[list[int], Path]:
+    """One request through a cache with a disk tier, shut down: (its tokens, the file)."""
+    model, draft, tokenizer, prompt = models
+    cache = PrefixCache(BIG, PrefixDisk(folder, BIG, fingerprint))
+    tokens, cached = run(model, draft, tokenizer, prompt, cache)
+    cache.close()
+    assert cached == 0
+    (path,) = folder.glob("*.safetensors")
+    return tokens, path
+
+
+def restarted(folder: Path, fingerprint: str = "models-a") -> PrefixCache:
+    return PrefixCache(BIG, PrefixDisk(folder, BIG, fingerprint))
+
+
+def test_an_undamaged_entry_hits_after_a_restart(models, tmp_path: Path) -> None:
+    model, draft, tokenizer, prompt = models
+    cold, _ = persist(models, tmp_path)
+    cache = restarted(tmp_path)
+    warm, cached = run(model, draft, tokenizer, prompt, cache)
+    assert warm == cold and cached == len(prompt.tokens) - 1
+    assert cache.disk is not None and cache.disk.stats()["reads"] == 1
+    cache.close()
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_entry_is_removed_and_the_request_prefills_cold(
+    models, tmp_path: Path, caplog, damage: str
+) -> None:
+    model, draft, tokenizer, prompt = models
+    cold, path = persist(models, tmp_path)
+    DAMAGE[damage](path)
+    with caplog.at_level(logging.WARNING, logger="dflash_server"):
+        cache = restarted(tmp_path)
+        tokens, cached = run(model, draft, tokenizer, prompt, cache)
+    assert tokens == cold and cached == 0
+    assert f"{path.name} cannot be verified" in caplog.text
+    assert not path.exists()
+    assert cache.disk is not None and cache.disk.stats()["reads"] == 0
+    assert cache.disk.stats()["rejected"] == 1
+    cache.close()  # the cold request's own entry goes to disk again, intact
+    again, cached = run(model, draft, tokenizer, prompt, restarted(tmp_path))
+    assert again == cold and cached == len(prompt.tokens) - 1
+
+
+def test_damage_after_the_restart_is_caught_on_read(models, tmp_path: Path, caplog) -> None:
+    """The header still indexes; the tensor bytes are checked when the entry is read."""
+    model, draft, tokenizer, prompt = models
+    cold, path = persist(models, tmp_path)
+    cache = restarted(tmp_path)
+    assert cache.disk is not None and cache.disk.stats()["entries"] == 1
+    zero_middle(path)
+    with caplog.at_level(logging.WARNING, logger="dflash_server"):
+        tokens, cached = run(model, draft, tokenizer, prompt, cache)
+    assert tokens == cold and cached == 0
+    assert f"{path.name} cannot be verified (checksum mismatch)" in caplog.text
+    assert not path.exists() and cache.disk.stats()["entries"] == 0
+    cache.close()
+
+
+def test_an_entry_of_other_models_is_not_used_and_kept(models, tmp_path: Path, caplog) -> None:
+    model, draft, tokenizer, prompt = models
+    cold, path = persist(models, tmp_path, fingerprint="models-b")
+    with caplog.at_level(logging.WARNING, logger="dflash_server"):
+        cache = restarted(tmp_path, fingerprint="models-a")
+        tokens, cached = run(model, draft, tokenizer, prompt, cache)
+    assert tokens == cold and cached == 0
+    assert f"{path.name} belongs to other models" in caplog.text
+    assert path.exists()  # still good for the models that wrote it
+    _, cached = run(model, draft, tokenizer, prompt, restarted(tmp_path, fingerprint="models-b"))
+    assert cached == len(prompt.tokens) - 1
+
+
+def test_a_zeroed_file_over_http_answers_as_cold(tiny_hybrid_path: Path, tmp_path: Path) -> None:
+    """The reported case: long system prompt, server restarted on a zeroed disk entry."""
+    draft = build_draft(tmp_path / "d", tiny_hybrid_path, block_size=4)
+    folder = tmp_path / "cache"
+    system = {"role": "system", "content": "Answer in one short sentence. " * 200}
+    body = {"messages": [system, CHAT[1]], "temperature": 0, "max_tokens": 8, "logprobs": True}
+
+    def ask() -> tuple[list[str], int]:
+        """The answer's tokens (as the API spells them) and its cached_tokens."""
+        app = make_app(tiny_hybrid_path, draft, prefix_cache_dir=str(folder))
+        with run_server(app) as srv:
+            r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=body, timeout=120).json()
+        tokens = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
+        return tokens, r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cold, cached = ask()
+    assert cached == 0 and len(cold) == 8
+    files = list(folder.glob("*.safetensors"))
+    assert files
+    for path in files:
+        zero_middle(path)
+    assert ask() == (cold, 0)
+    assert not any(p.exists() for p in files)
+    assert ask()[1] > 0  # the cold request's entry was written again, intact
