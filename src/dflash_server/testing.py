@@ -323,8 +323,8 @@ def _tiny_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[s
 def _published_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[str, Any]:
     """Config fields of the published drafters' shape (heads of 64, 4 q-heads per kv-head, MLP
     3x wide, taps spread over the target as the reference trainer picks them), for timing."""
-    from dflash_server.models.drafter import default_target_layer_ids
     from dflash_server.models.target_parts import find_target_parts
+    from dflash_server.models.variants import default_target_layer_ids
 
     parts = find_target_parts(model)
     n, H = parts.num_layers, parts.hidden_size
