@@ -131,12 +131,8 @@ def test_published_shape_drafter(tmp_path: Path) -> None:
     model, _ = mlx_lm.load(str(build_target(tmp_path / "t", hidden_size=512, num_hidden_layers=12)))
     draft = random_drafter(model, shape="published", block_size=8, mask_id=7)
     c = draft.config
-    assert (c.num_hidden_layers, c.head_dim, c.num_attention_heads, c.num_key_value_heads) == (
-        5,
-        64,
-        8,
-        2,
-    )
+    assert c.num_hidden_layers == 5 and c.head_dim == 64
+    assert c.num_attention_heads == 8 and c.num_key_value_heads == 2
     assert c.intermediate_size == 3 * 512 and c.mask_token_id == 7 and c.block_size == 8
     assert tuple(c.target_layer_ids) == (1, 3, 5, 7, 9)
     target = TargetModel(model, c.target_layer_ids)
