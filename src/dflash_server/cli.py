@@ -76,7 +76,7 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> Non
     elif get_origin(args[0]) is Literal:
         group.add_argument(_flag(name), choices=list(get_args(args[0])), help=help_text)
     else:
-        scalar = args[0] if args[0] in (int, float) else str  # lists come comma separated
+        scalar = float if args[0] is float else int if args[0] is int else str  # lists: "a,b"
         group.add_argument(_flag(name), type=scalar, help=help_text)
 
 

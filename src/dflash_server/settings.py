@@ -27,7 +27,7 @@ from pydantic_settings import (
 try:  # Python 3.11+
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib
 
 from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
 
@@ -104,7 +104,7 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
 # The sampling defaults: SamplingParams' fields and bounds, with the server's own default
 # temperature (Qwen3.5 + DFlash is meant to be sampled; the Python API defaults to greedy).
 _SERVER_DEFAULTS = {"temperature": 1.0}
-_SamplingDefaults = create_model(
+_SamplingDefaults = create_model(  # type: ignore[call-overload]  # fields built at import
     "SamplingDefaults",
     **{
         name: (

@@ -26,7 +26,7 @@ from dflash_server.chat.logprobs import hf_tokenizer
 try:  # optional at import time so the rest of the server works without it
     import llguidance
 except ImportError:  # pragma: no cover - llguidance is a declared dependency
-    llguidance = None
+    llguidance = None  # type: ignore[assignment]
 
 # Whitespace between JSON tokens: flexible, but bounded, so a model cannot loop on newlines
 # forever (a known failure of unbounded JSON whitespace with small or quantized models).

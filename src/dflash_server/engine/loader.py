@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from dflash_server.generation.pair import ModelPair
 from dflash_server.models.hooks import HookError
-from dflash_server.models.loading import load, load_draft
+from dflash_server.models.loading import flat_arrays, load, load_draft
 from dflash_server.models.window import DEFAULT_WINDOW, SINKS, default_window
 
 log = logging.getLogger("dflash_server")
@@ -123,9 +123,7 @@ def _model_context(config: dict[str, Any]) -> int | None:
 
 
 def _weights_gb(module: Any) -> float:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters())) / 1e9
+    return sum(v.nbytes for _, v in flat_arrays(module.parameters())) / 1e9
 
 
 def _vocab_size(config: dict[str, Any]) -> int | None:

@@ -25,6 +25,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -75,7 +76,7 @@ def _digest(meta: dict[str, str], arrays: dict[str, mx.array], threads: int = 1)
     def tensor(name: str) -> bytes:
         a = arrays[name]
         h = hashlib.new(CHECKSUM, json.dumps([name, str(a.dtype), a.shape]).encode())
-        h.update(memoryview(a))  # row-contiguous: written or loaded so
+        h.update(memoryview(a))  # type: ignore[arg-type]  # mx.array is a buffer (row-contiguous)
         return h.digest()
 
     names = sorted(arrays)
@@ -133,7 +134,7 @@ class PrefixDisk:
             tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype=np.int32)
             entry = _File(
                 path,
-                _as_tuple(json.loads(meta["kind"])),
+                _kind(meta["kind"]),
                 tokens.astype(np.int64),
                 tuple(json.loads(meta["checkpoints"])),
                 meta["recurrent"] == "1",
@@ -184,12 +185,13 @@ class PrefixDisk:
         return None
 
     def _load(self, entry: _File) -> PromptSnapshot:
-        arrays, meta = mx.load(str(entry.path), return_metadata=True)
+        loaded = mx.load(str(entry.path), return_metadata=True)
+        arrays, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", loaded)
         mx.eval(arrays)  # read it all now: what is verified is what gets restored
         if _digest(meta, arrays, READ_THREADS) != meta.get("checksum"):
             raise Damaged("checksum mismatch")
         tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype=np.int32)
-        stored_kind = _as_tuple(json.loads(meta["kind"]))
+        stored_kind = _kind(meta["kind"])
         if stored_kind != entry.kind or not np.array_equal(tokens, entry.tokens):
             raise Damaged("changed since it was indexed")
         layers = json.loads(meta["layers"])  # "kv" or "recurrent" per target layer
@@ -198,8 +200,8 @@ class PrefixDisk:
             for i, kind in enumerate(layers)
         ]
         n_draft = int(meta["draft_layers"])
-        draft_kv = [_pair(arrays, f"draft.{i}") for i in range(n_draft)] if n_draft else None
-        checkpoints = {}
+        draft_kv = [_stored_pair(arrays, f"draft.{i}") for i in range(n_draft)] if n_draft else None
+        checkpoints: dict[int, Checkpoint] = {}
         for p, (slots, windowed) in json.loads(meta["checkpoints_layout"]).items():
             recurrent = [
                 [arrays.get(f"ckpt.{p}.{j}.{k}") for k in range(n)] for j, n in enumerate(slots)
@@ -285,6 +287,21 @@ def _as_tuple(value: object) -> object:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
+def _kind(text: str) -> tuple:
+    """A snapshot kind as stored (JSON) back into its tuple."""
+    kind = _as_tuple(json.loads(text))
+    if not isinstance(kind, tuple):
+        raise Damaged(f"snapshot kind {text[:40]!r} is not a list")
+    return kind
+
+
 def _pair(arrays: dict[str, mx.array], prefix: str) -> tuple[mx.array, mx.array] | None:
     keys = arrays.get(f"{prefix}.keys")
     return None if keys is None else (keys, arrays[f"{prefix}.values"])
+
+
+def _stored_pair(arrays: dict[str, mx.array], prefix: str) -> tuple[mx.array, mx.array]:
+    pair = _pair(arrays, prefix)
+    if pair is None:
+        raise Damaged(f"{prefix} is missing")
+    return pair

@@ -209,7 +209,7 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return False
-            admitted = []
+            admitted: list[Job] = []
             while self._pending and len(self._active) + len(admitted) < self.max_active:
                 admitted.append(self._pending.popleft())
         for job in admitted:
@@ -273,7 +273,9 @@ class Engine:
             if run in self._active:
                 self._active.remove(run)
         try:
-            run.gen.close()
+            close = getattr(run.gen, "close", None)  # a generator's: frees its caches now
+            if close is not None:
+                close()
         except Exception:
             log.exception("closing a generation failed")
         elapsed = time.monotonic() - (run.job.started or run.job.created)

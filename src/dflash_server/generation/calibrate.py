@@ -12,7 +12,7 @@ import itertools
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,6 +57,7 @@ def measure_costs(
         cache = target.make_cache()
         _, taps = target.forward(ids[:, :context], cache, slice(-1, None))
         draft_cache = draft.make_cache()
+        assert taps is not None, "a target tapped for the drafter"
         draft.append_context(taps, draft_cache)
         mx.eval([c.state for c in cache], [c.state for c in draft_cache])
     rollback = target.make_rollback(cache)
@@ -127,7 +128,8 @@ def measure_costs(
             verify(width)()
             drafting(width)()
     if calibrate:
-        _calibrate(costs, target, draft, ids[0, :context].tolist(), _widths(block))
+        prompt = cast("list[int]", ids[0, :context].tolist())
+        _calibrate(costs, target, draft, prompt, _widths(block))
     costs.measured_s = time.perf_counter() - start
     return costs
 

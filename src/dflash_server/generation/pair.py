@@ -37,7 +37,9 @@ class WiredLimit:
     def held(self) -> Iterator[None]:
         with self._lock:
             if self.holders == 0:
-                self._context = wired_limit(self.model, [generation_stream])
+                # mlx-lm passes its thread-local stream where its annotation says Stream.
+                streams = [generation_stream]
+                self._context = wired_limit(self.model, streams)  # type: ignore[arg-type]
                 self._context.__enter__()
             self.holders += 1
         try:

@@ -46,10 +46,10 @@ class Checkpoint:
     @classmethod
     def take(cls, cache: list[Any], draft_cache: list[Any] | None) -> Checkpoint:
         # ArraysCache rebinds its slots on update: references are enough, no copies.
-        recurrent = [list(c.cache) for c in cache if isinstance(c, ArraysCache)]
-        draft = None
+        recurrent: list[list[Any]] = [list(c.cache) for c in cache if isinstance(c, ArraysCache)]
+        draft: list[KV | None] | None = None
         if draft_cache is not None and any(c.max_size for c in draft_cache):
-            draft = [c.snapshot()[:2] if c.max_size else None for c in draft_cache]
+            draft = [_window(c) if c.max_size else None for c in draft_cache]
         return cls(recurrent, draft)
 
     def arrays(self) -> list[mx.array]:
@@ -115,11 +115,17 @@ class PromptSnapshot:
         assert self.draft_kv is not None, "snapshot taken without the drafter"
         windows = checkpoint.draft if checkpoint is not None and checkpoint.draft else None
         for i, (c, (keys, values)) in enumerate(zip(draft_cache, self.draft_kv)):
-            if windows is not None and windows[i] is not None:
-                keys, values = windows[i]
-                c.restore((keys, values, length))
+            window = windows[i] if windows is not None else None
+            if window is not None:
+                c.restore((*window, length))
             else:  # full attention: the context from position 0, cut at ``length``
                 c.restore((keys[..., :length, :], values[..., :length, :], length))
+
+
+def _window(cache: Any) -> KV | None:
+    """A sliding drafter layer's live window (keys, values), if it holds any."""
+    snapshot = cache.snapshot()
+    return None if snapshot is None else (snapshot[0], snapshot[1])
 
 
 def _load_kv(cache: KVCache, pair: KV, length: int) -> None:

@@ -21,15 +21,24 @@ if TYPE_CHECKING:
 class DraftConfig(Protocol):
     """The drafter config fields the decoder reads."""
 
-    block_size: int  # the block the drafter was trained on: the widest verify
-    mask_token_id: int  # fills block positions 1..B-1 of the drafter's input
-    target_layer_ids: tuple[int, ...]  # the target layers whose outputs are its context
+    @property
+    def block_size(self) -> int:  # the block the drafter was trained on: the widest verify
+        ...
+
+    @property
+    def mask_token_id(self) -> int:  # fills block positions 1..B-1 of the drafter's input
+        ...
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:  # the target layers it reads (its taps)
+        ...
 
 
 class Drafter(Protocol):
     """What the decoder needs from a drafter (docs/design.md, "The DFlash loop")."""
 
-    config: DraftConfig
+    @property
+    def config(self) -> DraftConfig: ...
 
     def bind(self, target: nn.Module) -> Drafter:
         """Borrow the target's embedding and lm_head; raise ValueError when the pair misfits."""

@@ -136,8 +136,11 @@ class TokenSampler:
         """A fresh PRNG key from this sampler's seeded stream (for drafters that sample)."""
         return self._next_key()
 
-    def process(self, logits: mx.array, history: mx.array) -> mx.array:
-        """Apply the logits processors to every row with the same ``history``."""
+    def process(self, logits: mx.array, history: mx.array | None) -> mx.array:
+        """Apply the logits processors to every row with the same ``history`` (None: no
+        history to penalise, as when there are no processors)."""
+        if history is None:
+            return logits
         for processor in self.processors:
             logits = processor(history, logits)
         return logits
@@ -178,7 +181,7 @@ class TokenSampler:
         return mx.random.categorical(self.logprobs(logits), key=self._next_key())
 
     def propose(
-        self, draft_logits: mx.array, history: mx.array
+        self, draft_logits: mx.array, history: mx.array | None
     ) -> tuple[mx.array, mx.array | None]:
         """Draft tokens and, when sampling, the log-probs ``log q`` they were drawn from."""
         logits = self.process(draft_logits, history)

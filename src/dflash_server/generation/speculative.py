@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -90,7 +90,7 @@ class SpeculativeDecoder:
         self.logprobs, self.constraint = logprobs, constraint
         self.cache = target.make_cache()
         self.rollback = target.make_rollback(self.cache)
-        self.draft_cache = draft.make_cache() if draft is not None else None
+        self.draft_cache: list[Any] | None = draft.make_cache() if draft is not None else None
         # Prefix caching needs caches a snapshot can hold (KV and Gated DeltaNet).
         self.prefix = prefix if prefix is not None and supported(self.cache) else None
         self.checkpoints = frozenset(checkpoints)
@@ -123,13 +123,14 @@ class SpeculativeDecoder:
     def _finish_rows(
         self, logits: mx.array, history: mx.array | None, drafts: list[int] | mx.array | None
     ) -> mx.array:
-        """The target's processed logits per row: penalties, then the constraint's mask."""
+        """The target's processed logits per row: penalties, then the constraint's mask
+        (with a constraint, ``drafts`` is the host list of the drafted path)."""
         if drafts is None:
             logits = self.sampler.process(logits, history)
-        elif self.sampler.processors:
+        elif history is not None and self.sampler.processors:
             logits = self.sampler.process_rows(logits, history, mx.array(drafts))
         if self.constraint is not None:
-            mask = self.constraint.allowed([] if drafts is None else drafts)
+            mask = self.constraint.allowed(cast("list[int]", drafts or []))
             if mask is not None:
                 logits = apply_mask(logits, mask)
         return logits
@@ -150,7 +151,7 @@ class SpeculativeDecoder:
                 rows = slice(-1, None) if last else None
                 logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows)
                 if self.draft is not None:
-                    self.draft.append_context(taps, self.draft_cache)
+                    self.draft.append_context(_tapped(taps), _ctx(self.draft_cache))
                 if self.prefix is not None and end in self._chunk_checkpoints(len(prompt)):
                     checkpoints[end] = Checkpoint.take(self.cache, self.draft_cache)
                 if not last:  # bound peak memory: materialise this chunk before the next
@@ -160,7 +161,7 @@ class SpeculativeDecoder:
                 snapshot = PromptSnapshot.take(prompt, self.cache, self.draft_cache, checkpoints)
                 mx.async_eval(snapshot.arrays())
                 self.prefix.store(self._prefix_kind, snapshot)
-            logits = self._finish_rows(logits[0], self._history_tail(), None)
+            logits = self._finish_rows(_rows(logits)[0], self._history_tail(), None)
             first = self.sampler.sample(logits)
             result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
         return _Cycle(result, None, 1, self._logprobs(logits, first))
@@ -219,8 +220,8 @@ class SpeculativeDecoder:
             # The drafter needs every committed position; batch plain steps' taps.
             self._context.append(taps)
             if len(self._context) >= _FLUSH:
-                self.draft.append_context(self._take_context(), self.draft_cache)
-        logits = self._finish_rows(logits[0], history, None)
+                self.draft.append_context(_tapped(self._take_context()), _ctx(self.draft_cache))
+        logits = self._finish_rows(_rows(logits)[0], history, None)
         bonus = self.sampler.sample(logits)
         result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
         self._timed("plain", result)
@@ -234,10 +235,11 @@ class SpeculativeDecoder:
                 cycle = self._plain_step(last, history)
                 mx.async_eval(*cycle.arrays())
                 return cycle
-            mask = mx.full((size - 1,), self.draft.config.mask_token_id, dtype=last.dtype)
+            draft = cast(Drafter, self.draft)  # widths above 1 only come with a drafter
+            mask = mx.full((size - 1,), draft.config.mask_token_id, dtype=last.dtype)
             block = mx.concatenate([last, mask])[None]
-            drafts, log_q = self.draft.propose(
-                block, self._take_context(), self.draft_cache, self.sampler, history
+            drafts, log_q = draft.propose(
+                block, self._take_context(), _ctx(self.draft_cache), self.sampler, history
             )
             if self.stats.timings is None:
                 # Start drafting now; the rollback and verify graphs are built while it runs
@@ -249,8 +251,8 @@ class SpeculativeDecoder:
             with self.rollback.recording():
                 logits, taps = self.target.forward(verify_input[None], self.cache, slice(None))
             # A constraint walks the drafted path on the host: one extra sync per cycle.
-            path = drafts.tolist() if self.constraint is not None else drafts
-            logits = self._finish_rows(logits[0], history, path)
+            path = cast("list[int]", drafts.tolist()) if self.constraint is not None else drafts
+            logits = self._finish_rows(_rows(logits)[0], history, path)
             accepted, bonus = self.sampler.accept(logits, drafts, log_q)
             result = mx.concatenate(
                 [mx.stack([accepted, bonus]).astype(mx.int32), drafts.astype(mx.int32)]
@@ -271,17 +273,19 @@ class SpeculativeDecoder:
     def _read(self, cycle: _Cycle, first: bool = False) -> tuple[Commit, mx.array]:
         """Sync on a cycle and commit its tokens; queue the caches' rollback for the next
         cycle and feed the policy; return (commit, next anchor)."""
-        values = cycle.result.tolist()  # the one host sync per cycle
+        values = cast("list[int]", cycle.result.tolist())  # the one host sync per cycle
         now = time.perf_counter()
         seconds = None if self._last_read is None else now - self._last_read
         self._last_read = now
         accepted, bonus = values[0], values[1]
         commit = Commit([*values[2 : 2 + accepted], bonus])
         if cycle.logprobs is not None:
-            chosen, ids, top = (None if a is None else a.tolist() for a in cycle.logprobs)
+            chosen, ids, top = (
+                None if a is None else cast(list, a.tolist()) for a in cycle.logprobs
+            )
             n = accepted + 1
-            commit.logprobs = chosen[:n]
-            if ids is not None:
+            commit.logprobs = (chosen or [])[:n]
+            if ids is not None and top is not None:
                 commit.top_logprobs = [
                     sorted(zip(i, v), key=lambda iv: -iv[1]) for i, v in zip(ids[:n], top[:n])
                 ]
@@ -340,3 +344,19 @@ def _terminate(commit: Commit, room: int, eos_ids: set[int] | frozenset[int]) ->
     if len(commit.tokens) >= room:
         return commit.truncate(room, "length")
     return commit
+
+
+# Narrowing for the type checker only: which values exist follows from whether a drafter runs.
+def _tapped(taps: mx.array | None) -> mx.array:
+    assert taps is not None, "a target driven with a drafter returns taps"
+    return taps
+
+
+def _ctx(cache: list[Any] | None) -> list[Any]:
+    assert cache is not None, "a drafter has a context cache"
+    return cache
+
+
+def _rows(logits: mx.array | None) -> mx.array:
+    assert logits is not None, "logit rows were asked for"
+    return logits

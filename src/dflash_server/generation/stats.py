@@ -56,7 +56,7 @@ class SpeculativeStats:
             self.plain_tokens += 1
 
     def as_dict(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "block_size": self.block_size,
             "block_policy": "auto" if self.adaptive else "fixed",
             "cycles": self.cycles,

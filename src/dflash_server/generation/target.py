@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, overload
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,8 +50,16 @@ class TargetModel:
     def make_rollback(self, cache: list[Any]) -> CacheRollback:
         return CacheRollback(self.hooks, cache)
 
+    @overload
     def forward(
-        self, tokens: mx.array, cache: list[Any], logit_rows: slice | None = None
+        self, tokens: mx.array, cache: list[Any] | None, logit_rows: slice
+    ) -> tuple[mx.array, mx.array | None]: ...
+    @overload
+    def forward(
+        self, tokens: mx.array, cache: list[Any] | None, logit_rows: None = None
+    ) -> tuple[None, mx.array | None]: ...
+    def forward(
+        self, tokens: mx.array, cache: list[Any] | None, logit_rows: slice | None = None
     ) -> tuple[mx.array | None, mx.array | None]:
         """Run ``tokens`` ([1, T]) through the target; return (logits of ``logit_rows``, taps).
 

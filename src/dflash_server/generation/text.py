@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -17,7 +18,7 @@ def encode(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array) 
         bos = getattr(tokenizer, "bos_token", None)
         add_special = bos is None or not prompt.startswith(bos)
         return list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    ids = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    ids = cast("list[int]", prompt.tolist()) if isinstance(prompt, mx.array) else list(prompt)
     return [int(t) for t in ids]
 
 

@@ -166,8 +166,8 @@ class CandidateSelector(nn.Module):
         before = self.predecessor_codebook[candidates[:-1]].astype(mx.float32)
         edges = (before * projected[1:, None]) @ successors[1:].transpose(0, 2, 1)
         greedy = sampler.deterministic
-        keys = None if greedy else mx.random.split(sampler.next_key(), N)
-        scores, picks, rows = first, [], []
+        keys = mx.random.split(sampler.next_key(), N) if not greedy else mx.array([])
+        scores, picks, rows = first, list[mx.array](), list[mx.array]()
         for i in range(N):
             if i > 0:
                 scores = unary[i] + mx.take(edges[i - 1], picks[-1], axis=0)

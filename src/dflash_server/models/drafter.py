@@ -162,7 +162,7 @@ class DFlashAttention(nn.Module):
         return ContextCache(None if self.window is None else self.window - 1)
 
     def _keys_values(
-        self, x: mx.array, offset: int, compiled: bool = False
+        self, x: mx.array, offset: int | mx.array, compiled: bool = False
     ) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
@@ -182,7 +182,7 @@ class DFlashAttention(nn.Module):
         q = mx.arange(L)[:, None]
         k = mx.arange(S + L)[None] - S
         visible = mx.ones((L, S + L), dtype=mx.bool_)
-        if far:
+        if far and self.window is not None:
             visible = (q - k < self.window) & (k - q < self.window)
         return visible & (k <= q) if self.causal else visible
 
@@ -232,7 +232,7 @@ class _BoundTarget:
 
 
 class DFlashDraftModel(nn.Module):
-    layer_class: type[nn.Module] = DFlashDecoderLayer
+    layer_class: type[DFlashDecoderLayer] = DFlashDecoderLayer
     family = "DFlash"  # the checkpoint layout it came from; load_draft sets it (e.g. "assistant")
 
     def __init__(self, config: DFlashConfig):
@@ -280,10 +280,11 @@ class DFlashDraftModel(nn.Module):
     def append_context(self, target_hidden: mx.array, cache: list[ContextCache]) -> None:
         """Add committed positions' tapped features (``[B, S, L*H]``) to the context cache."""
         windows = [layer.self_attn.window for layer in self.layers]
+        widest = None if None in windows else max(w for w in windows if w is not None)
         skipped = 0
-        if None not in windows and target_hidden.shape[1] > max(windows) - 1:
+        if widest is not None and target_hidden.shape[1] > widest - 1:
             # Every layer slides: positions older than the widest window are never seen again.
-            skipped = target_hidden.shape[1] - (max(windows) - 1)
+            skipped = target_hidden.shape[1] - (widest - 1)
             target_hidden = target_hidden[:, skipped:]
         context = self.hidden_norm(self.fc(target_hidden))
         for layer, c in zip(self.layers, cache):

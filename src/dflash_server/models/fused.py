@@ -22,7 +22,11 @@ _ROPES: dict[tuple, Any] = {}
 def _norm_fn(eps: float) -> Any:
     fn = _NORMS.get(eps)
     if fn is None:
-        fn = _NORMS[eps] = mx.compile(lambda x, w: mx.fast.rms_norm(x, w, eps), shapeless=True)
+
+        def norm(x: mx.array, w: mx.array) -> mx.array:
+            return mx.fast.rms_norm(x, w, eps)
+
+        fn = _NORMS[eps] = mx.compile(norm, shapeless=True)
     return fn
 
 
@@ -33,7 +37,7 @@ class Norm(nn.RMSNorm):
         return _norm_fn(self.eps)(x, self.weight)
 
 
-def rope_at(rope: Any, x: mx.array, offset: int) -> mx.array:
+def rope_at(rope: Any, x: mx.array, offset: int | mx.array) -> mx.array:
     """``rope(x, offset=offset)``; a plain ``nn.RoPE`` runs compiled with the offset as an
     input (one trace per input shape, not per position). Scaled variants run as they are."""
     if type(rope) is not nn.RoPE:

@@ -181,12 +181,12 @@ class TargetHooks:
             return
         self.active = recording
         for module, original in self.originals.items():
-            module.gated_delta_update = self._recorder(original)
+            setattr(module, "gated_delta_update", self._recorder(original))  # noqa: B010
         try:
             yield recording
         finally:
             for module, original in self.originals.items():
-                module.gated_delta_update = original
+                setattr(module, "gated_delta_update", original)  # noqa: B010
             self.active = None
 
     def _recorder(self, original: Any) -> Any:

@@ -10,11 +10,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import infer_quant_config
 
 from dflash_server.models.dflash2 import DFlash2Config, DFlash2DraftModel
@@ -37,11 +38,24 @@ def resolve_model_path(repo_or_path: str | Path, allow_patterns: list[str] | Non
     return Path(snapshot_download(str(repo_or_path), allow_patterns=allow_patterns))
 
 
-def load(path_or_repo: str | Path, **kwargs: Any) -> tuple[nn.Module, Any]:
+def load_arrays(path: str | Path) -> dict[str, mx.array]:
+    """The tensors of a ``.safetensors`` file (``mx.load``, typed for what it returns here)."""
+    return cast("dict[str, mx.array]", mx.load(str(path)))
+
+
+def flat_arrays(tree: Any) -> list[tuple[str, mx.array]]:
+    """``mlx.utils.tree_flatten`` of a parameter or optimizer-state tree, typed."""
+    from mlx.utils import tree_flatten
+
+    return cast("list[tuple[str, mx.array]]", tree_flatten(tree))
+
+
+def load(path_or_repo: str | Path, **kwargs: Any) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a target model and its tokenizer with mlx-lm (any architecture mlx-lm supports)."""
     from mlx_lm import load as mlx_lm_load
 
-    return mlx_lm_load(str(path_or_repo), **kwargs)
+    model, tokenizer = mlx_lm_load(str(path_or_repo), **kwargs)[:2]
+    return model, tokenizer
 
 
 @dataclass(frozen=True)
@@ -142,7 +156,7 @@ def load_draft(
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     weights: dict[str, mx.array] = {}
     for f in files:
-        weights.update(mx.load(str(f)))
+        weights.update(load_arrays(f))
     weights = family.remap(weights, raw)
     model = family.model_class(config)
     model.family = family.name

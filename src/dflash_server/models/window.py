@@ -48,7 +48,7 @@ class SinkContextCache(ContextCache):
         if have < self.sinks and self.offset == have:  # still filling the sinks
             take = min(self.sinks - have, keys.shape[2])
             new_k, new_v = keys[..., :take, :], values[..., :take, :]
-            if self.sink_keys is None:
+            if self.sink_keys is None or self.sink_values is None:
                 self.sink_keys, self.sink_values = mx.contiguous(new_k), mx.contiguous(new_v)
             else:
                 self.sink_keys = mx.concatenate([self.sink_keys, new_k], axis=2)
@@ -57,7 +57,7 @@ class SinkContextCache(ContextCache):
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         recent = super().fetch()
-        if self.sink_keys is None:
+        if self.sink_keys is None or self.sink_values is None:
             return recent
         if recent is None:  # restored with nothing but sinks
             return self.sink_keys, self.sink_values

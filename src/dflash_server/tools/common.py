@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -102,7 +102,7 @@ def decode(
         for i, chunk in enumerate(decoder.generate(list(prompt), max_tokens)):
             if i == 0:
                 start = time.perf_counter()
-            out.extend(getattr(chunk, "tokens", chunk))  # a Commit (or a plain list)
+            out.extend(chunk.tokens)
         seconds += time.perf_counter() - start
         outs.append(out)
         generated += len(out) - 1
@@ -128,17 +128,17 @@ def logit_error(
     target = TargetModel(model, reference.config.target_layer_ids)
     ids = mx.array(list(sample))[None]
     _, taps = target.forward(ids, None, None)
-    positions = sorted(
-        {max(1, round(p)) for p in mx.linspace(1, len(sample) - 1, anchors).tolist()}
-    )
+    assert taps is not None, "the target is tapped for the drafter"
+    spread = cast("list[float]", mx.linspace(1, len(sample) - 1, anchors).tolist())
+    positions = sorted({max(1, round(p)) for p in spread})
     max_abs, kl, agree, rows = 0.0, 0.0, 0.0, 0
     for a in positions:
         block = mx.array([[sample[a]] + [reference.config.mask_token_id] * (B - 1)])
         ref = reference(block, taps[:, :a], reference.make_cache(), 1)[0].astype(mx.float32)
         oth = other(block, taps[:, :a], other.make_cache(), 1)[0].astype(mx.float32)
         lp, lq = nn.log_softmax(ref, axis=-1), nn.log_softmax(oth, axis=-1)
-        max_abs = max(max_abs, mx.abs(ref - oth).max().item())
-        kl += (mx.exp(lp) * (lp - lq)).sum().item()
-        agree += (mx.argmax(ref, -1) == mx.argmax(oth, -1)).sum().item()
+        max_abs = max(max_abs, cast(float, mx.abs(ref - oth).max().item()))
+        kl += cast(float, (mx.exp(lp) * (lp - lq)).sum().item())
+        agree += cast(int, (mx.argmax(ref, -1) == mx.argmax(oth, -1)).sum().item())
         rows += ref.shape[0]
     return {"max_abs_logit": max_abs, "mean_kl": kl / rows, "top1_agreement": agree / rows}

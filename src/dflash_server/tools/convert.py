@@ -15,12 +15,13 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.utils import compute_bits_per_weight, dequantize_model, quantize_model
 
-from dflash_server.models.loading import load_draft, resolve_model_path
+from dflash_server.models.drafter import DFlashDraftModel
+from dflash_server.models.loading import flat_arrays, load_draft, resolve_model_path
 from dflash_server.tools.common import (
     human_bytes,
     logit_error,
@@ -72,7 +73,8 @@ def convert(
         if q_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"--q-bits must be one of 2, 3, 4, 5, 6, 8, got {q_bits}")
         with contextlib.redirect_stdout(io.StringIO()):  # mlx-lm prints its own [INFO] line
-            draft, config = quantize_model(draft, config, q_group_size, q_bits, mode="affine")
+            quantized, config = quantize_model(draft, config, q_group_size, q_bits, mode="affine")
+            draft = cast(DFlashDraftModel, quantized)  # quantized in place, same class
         if not any(k.endswith(".scales") for k in _param_names(draft)):
             raise ValueError(
                 f"no layer was quantized: no Linear input width is a multiple of "
@@ -101,9 +103,7 @@ def convert(
 
 
 def _param_names(model: Any) -> list[str]:
-    from mlx.utils import tree_flatten
-
-    return [k for k, _ in tree_flatten(model.parameters())]
+    return [k for k, _ in flat_arrays(model.parameters())]
 
 
 def _measure(src: Path, converted: Any, target: str | Path, text: str) -> dict[str, float]:

@@ -95,7 +95,7 @@ def drafter_block_size(draft: str) -> int | None:
 
 def sampling_defaults(settings: Settings) -> dict[str, Any]:
     """Temperature plus every sampling default that is not neutral, by OpenAI/HF names."""
-    out: dict[str, Any] = {"temperature": settings.temperature}
+    out: dict[str, Any] = {"temperature": getattr(settings, "temperature")}  # noqa: B009
     for name, neutral in NEUTRAL.items():
         value = getattr(settings, name, None)
         if value is not None and value != neutral:

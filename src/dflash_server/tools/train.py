@@ -21,10 +21,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.drafter import DFlashDraftModel
+from dflash_server.models.loading import flat_arrays, load_arrays
 from dflash_server.tools.common import decode, model_card, save_drafter
 from dflash_server.tools.train_data import (
     DiskCache,
@@ -165,7 +166,8 @@ class Trainer:
         self.weights = position_weights(self.B, gamma)
         self.optimizer = optim.AdamW(learning_rate=_schedule(args), weight_decay=args.weight_decay)
         self.optimizer.init(self.draft.trainable_parameters())
-        self.step, self.history = 0, {"eval": [], "train": []}
+        self.step = 0
+        self.history: dict[str, list[dict[str, Any]]] = {"eval": [], "train": []}
         if args.resume:
             self._load_state()
 
@@ -178,7 +180,7 @@ class Trainer:
         meta = json.loads(meta_file.read_text())
         if meta["config"] != self.config:
             raise ValueError("--resume: the drafter config in --out differs from this run's")
-        arrays = mx.load(str(self.out / STATE_DIR / STATE_WEIGHTS))
+        arrays = load_arrays(self.out / STATE_DIR / STATE_WEIGHTS)
         params = [(k[6:], v) for k, v in arrays.items() if k.startswith("param.")]
         self.draft.load_weights(params, strict=True)
         opt = [(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")]
@@ -189,7 +191,7 @@ class Trainer:
     def save(self) -> None:
         save_dtype = self.args.save_dtype or self.init_dtype
         export = DFlashDraftModel(self.draft.config)
-        export.load_weights(list(tree_flatten(self.draft.parameters())))
+        export.load_weights(flat_arrays(self.draft.parameters()))
         export.set_dtype(getattr(mx, save_dtype))
         evals = self.history["eval"]
         lines = [
@@ -200,8 +202,8 @@ class Trainer:
             lines.append(f"Held-out greedy tau: {evals[0]['tau']:.2f} -> {evals[-1]['tau']:.2f}.")
         config = {**self.config, "torch_dtype": save_dtype}
         save_drafter(export, self.out, config, model_card("DFlash drafter", lines, config))
-        arrays = {f"param.{k}": v for k, v in tree_flatten(self.draft.parameters())}
-        arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
+        arrays = {f"param.{k}": v for k, v in flat_arrays(self.draft.parameters())}
+        arrays.update({f"opt.{k}": v for k, v in flat_arrays(self.optimizer.state)})
         (self.out / STATE_DIR).mkdir(exist_ok=True)
         mx.save_safetensors(str(self.out / STATE_DIR / STATE_WEIGHTS), arrays)
         meta = {"step": self.step, "config": self.config, "history": self.history}

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_server.generation.target import TargetModel
+from dflash_server.models.loading import load_arrays
 
 _SKIP_DIRS = {".git", "__pycache__", ".venv", "node_modules", ".tox"}
 
@@ -105,7 +106,8 @@ def target_forward(target: TargetModel, tokens: mx.array, labels: bool) -> tuple
     put at position p; position 0 has no prediction and keeps its data token.
     """
     logits, taps = target.forward(tokens, None, slice(None) if labels else None)
-    if not labels:
+    assert taps is not None, "the target is tapped for the drafter"
+    if logits is None:
         return (mx.stop_gradient(taps),)
     pred = mx.argmax(logits[:, :-1], axis=-1).astype(tokens.dtype)
     return mx.stop_gradient(taps), mx.concatenate([tokens[:, :1], pred], axis=1)
@@ -187,7 +189,7 @@ class DiskCache:
     def batch(self, rows: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
         s = int(rows[0]) // self.shard
         if self._loaded is None or self._loaded[0] != s:
-            self._loaded = (s, mx.load(str(self.folder / f"shard-{s:05d}.safetensors")))
+            self._loaded = (s, load_arrays(self.folder / f"shard-{s:05d}.safetensors"))
         data = self._loaded[1]
         local = mx.array(rows - s * self.shard)
         tokens = data["tokens"][local]
