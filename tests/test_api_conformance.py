@@ -219,7 +219,8 @@ def _chat(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], str, list[Any
 def test_call_cut_by_max_tokens_is_dropped(
     scripted: tuple[str, ScriptedGenerate], forced: str | None
 ) -> None:
-    """A complete call, then another that max_tokens cuts: the partial markup never shows."""
+    """A complete call, then another that max_tokens cuts: the partial markup never shows,
+    and the cut call is dropped from a whole answer (finish_reason tool_calls, not length)."""
     url, script = scripted
     first, second = _call("search", q="a"), _call("search", q="b")
     script.pieces = ["</think>\n\n", first, "\n", *second[:30]]  # 30 pieces of 1 character
@@ -228,7 +229,7 @@ def test_call_cut_by_max_tokens_is_dropped(
     message = whole["choices"][0]["message"]
     assert message["content"] is None and content == ""
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"q": "a"}']
-    assert len(calls) == 1 and finish == whole["choices"][0]["finish_reason"] == "length"
+    assert len(calls) == 1 and finish == whole["choices"][0]["finish_reason"] == "tool_calls"
     assert whole["dflash"]["dropped_tool_calls"] == 1
 
 

@@ -12,6 +12,7 @@ from dflash_server.chat.budget import Both, Budgeted, ThinkingBudget
 from dflash_server.chat.structured import Grammar, response_format_grammar
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
+from dflash_server.generation.sampling import SamplingParams
 from dflash_server.generation.stream import generate
 from dflash_server.testing import ReplayDrafter, random_drafter
 
@@ -90,3 +91,51 @@ def test_speculation_is_exact_under_a_budget(chat: Any, with_grammar: bool) -> N
     draft = ReplayDrafter(prompt + plain + [0] * 32, [15, 3, 0, 7], random_drafter(model))
     assert _run(chat, draft, 16, spec) == plain
     assert _run(chat, random_drafter(model), 8, spec) == plain
+
+
+def test_no_end_token_while_reasoning_under_a_grammar(chat: Any) -> None:
+    """Rows before the think-end token allow every token but the end tokens; after it, the
+    grammar's rows (here: a JSON enum)."""
+    _, tokenizer, _, end = chat
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"enum": ["yes", "no"]}}}
+    grammar = Grammar(response_format_grammar(fmt), end).build(tokenizer)
+    eos = sorted(tokenizer.eos_token_ids)
+    width = grammar.width
+    free = [i for i in range(width) if i not in eos]
+    assert _rows(grammar.allowed([7, 8]), width=width) == [free] * 3
+    rows = _rows(grammar.allowed([7, end, 9]), width=width)
+    assert rows[:2] == [free] * 2  # up to (and predicting) the think-end token: reasoning
+    assert rows[2] and not set(rows[2]) & set(eos)  # the JSON must start: no end yet
+    grammar.commit([7, end])
+    assert _rows(grammar.allowed([]), width=width) == [rows[2]]
+
+
+def test_end_biased_model_still_answers_exactly(chat: Any) -> None:
+    """A model that wants to end at once (the end token biased far up) must still close its
+    reasoning (the budget) and write the JSON; drafted end tokens are refused on the path,
+    so speculation gives the plain decoding's tokens."""
+    model, tokenizer, prompt, end = chat
+    (eos,) = tokenizer.eos_token_ids
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"enum": ["yes", "no"]}}}
+    rows = model.language_model.model.embed_tokens.weight.shape[0]
+    spec = Budgeted(6, end, rows, Grammar(response_format_grammar(fmt), end))
+    sampling = SamplingParams(logit_bias={eos: 50.0})
+
+    def run(draft: Any, block: int) -> list[int]:
+        policy = BlockPolicy(block)
+        request = GenerationRequest(tuple(prompt), 48, sampling, block=policy, constraint=spec)
+        out = list(generate(ModelPair.of(model, tokenizer, draft), request))
+        assert out[-1].finish_reason == "stop"
+        return [t for r in out for t in r.tokens]
+
+    unconstrained = GenerationRequest(tuple(prompt), 48, sampling)
+    first = list(generate(ModelPair.of(model, tokenizer, None), unconstrained))
+    assert first[-1].finish_reason == "stop" and first[-1].generation_tokens == 0  # ends at once
+    plain = run(None, 1)
+    assert plain.index(end) == 6 and eos not in plain
+    assert json.loads(tokenizer.decode(plain[7:])) in ("yes", "no")
+    # The replayed drafts put the end token on reasoning positions: each is refused.
+    planted = [eos if i % 3 == 1 and i < 6 else t for i, t in enumerate(plain)]
+    draft = ReplayDrafter(prompt + planted + [0] * 32, [15, 3, 7], random_drafter(model))
+    assert run(draft, 16) == plain
+    assert run(random_drafter(model), 8) == plain

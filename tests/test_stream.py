@@ -105,3 +105,38 @@ def test_interleaved_generations_share_one_wired_limit(setup, monkeypatch):
     assert events == ["set"]
     list(b)
     assert events == ["set", "restore"]
+
+
+def test_special_tokens_left_out_of_text_only(tiny_hybrid):
+    """skip_special_tokens: control tokens vanish from the text, never from the token ids; the
+    markers the server parses (think, tool calls) stay."""
+    from dflash_server.generation.pair import ModelPair
+    from dflash_server.generation.request import BlockPolicy, GenerationRequest
+    from dflash_server.generation.sampling import SamplingParams
+    from dflash_server.generation.stream import generate
+    from dflash_server.generation.text import hidden_tokens
+
+    model, tokenizer = tiny_hybrid
+    named = {tokenizer.convert_tokens_to_ids(t): t for t in ("<|im_start|>", "<|endoftext|>")}
+    kept = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>", "<tool_call>")]
+    assert set(named) <= hidden_tokens(tokenizer) and not set(kept) & hidden_tokens(tokenizer)
+    # A bias makes the random model write control tokens among its own.
+    bias = {t: 8.0 for t in named}
+    ids = tokenizer.encode(PROMPT)
+
+    def run(skip: bool) -> tuple[list[int], str]:
+        request = GenerationRequest(
+            tuple(ids),
+            24,
+            SamplingParams(logit_bias=bias),
+            block=BlockPolicy(4),
+            skip_special_tokens=skip,
+        )
+        out = list(generate(ModelPair.of(model, tokenizer, random_drafter(model)), request))
+        return [t for r in out for t in r.tokens], "".join(r.text for r in out)
+
+    raw_tokens, raw = run(False)
+    tokens, text = run(True)
+    assert tokens == raw_tokens and set(named) & set(tokens)
+    assert any(t in raw for t in named.values()) and not any(t in text for t in named.values())
+    assert text == tokenizer.decode([t for t in tokens if t not in named])

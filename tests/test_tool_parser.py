@@ -136,3 +136,33 @@ def test_whole_text_helper_and_unknown_tool() -> None:
     )
     assert text == "" and calls[0].name == "other" and json.loads(calls[0].arguments) == {"q": "hi"}
     assert calls[0].as_openai(0)["function"]["name"] == "other"
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_stray_open_tag_stays_text_and_the_call_after_it_parses(step: int) -> None:
+    """Reasoning that mentions ``<tool_call>`` (a model musing about the format) does not
+    swallow the answer: the think-end marker or a second open tag shows the first was text."""
+    small = CALL.replace("New York", "Oslo")
+    cases = [
+        # (model text, text pieces that must come out, calls)
+        ("maybe <tool_call> now</think>\n\n" + small, "maybe <tool_call> now</think>\n\n", 1),
+        ("a <tool_call> b " + small + " c", "a <tool_call> b  c", 1),
+        ("x <tool_call> y</think>\n\nThe answer.", "x <tool_call> y</think>\n\nThe answer.", 0),
+    ]
+    for text, want, n in cases:
+        content, calls = _run([text[i : i + step] for i in range(0, len(text), step)])
+        assert content == want and len(calls) == n
+        assert all(json.loads(c.arguments)["city"] == "Oslo" for c in calls)
+
+
+def test_text_after_a_call_is_tracked() -> None:
+    """``text_after_call``: whether anything but whitespace (or a cut call) followed the last
+    complete call: a cut extra call alone leaves the answer whole (see ChatText.outcome)."""
+    parser = ToolCallParser(TOOLS)
+    parser.feed(CALL + "\n<tool_call>\n<function=get_weather>\n<parameter=ci")
+    parser.finish(cut=True)
+    assert len(parser.calls) == 1 and parser.dropped == 1 and not parser.text_after_call
+    parser = ToolCallParser(TOOLS)
+    parser.feed(CALL + "\nand then")
+    parser.finish(cut=True)
+    assert parser.text_after_call

@@ -46,7 +46,7 @@ class MessageShaper:
     def stop_reason(self, reason: str, stop_sequence: str | None) -> str:
         if stop_sequence is not None:
             return "stop_sequence"
-        if reason == "length":
+        if self.chat.outcome(reason) == "length":
             return "max_tokens"
         return "tool_use" if self.chat.called else "end_turn"
 

@@ -223,7 +223,8 @@ class ResponseRun:
                 elif isinstance(ev, Finished):
                     for event in s.finish(ev.finish_reason):
                         yield event
-                    status = "incomplete" if ev.finish_reason == "length" else "completed"
+                    reason = s.chat.outcome(ev.finish_reason)
+                    status = "incomplete" if reason == "length" else "completed"
                     self.final = s.response(status, ev)
                     yield s.event(f"response.{status}", response=self.final)
                 elif isinstance(ev, Failed):

@@ -48,6 +48,7 @@ class Prepared:
     tools: list[dict[str, Any]] | None = None  # parse tool calls against these (None: don't)
     parallel_tool_calls: bool = True
     dflash_tokens: bool = False  # stream extension: each token's text and source
+    forced: bool = False  # a grammar writes the answer (tool_choice forcing a call, a schema)
 
 
 def check_model(requested: str | None, settings: Settings) -> None:
@@ -129,6 +130,7 @@ def _request(
         logprobs=requested_logprobs(req),
         reasoning=prompt.reasoning,
         checkpoints=prompt.checkpoints,
+        skip_special_tokens=req.skip_special_tokens is not False,
         **extra,
     )
 
@@ -205,6 +207,7 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
         dflash_tokens=bool(req.dflash_tokens),
         tools=chat.tools,
         parallel_tool_calls=parallel,
+        forced=grammar is not None,
     )
 
 

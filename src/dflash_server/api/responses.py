@@ -148,27 +148,46 @@ class ChatText:
     Tool calls are cut out first, so their markup never reaches either text field, also when
     the model calls from inside its reasoning; the rest is split at the think markers. A call
     left unfinished at the end is dropped (counted in ``dropped``), never shown as markup.
+    When a grammar writes the answer (``Prepared.forced``), only the answer's calls count: the
+    reasoning is split off first and stays text, whatever markup it holds.
     """
 
     def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
         start, end = think_markers(tokenizer)
         self.splitter = ReasoningSplitter(prepared.request.reasoning.opens, start, end)
         self.tools = (
-            ToolCallParser(prepared.tools, prepared.parallel_tool_calls) if prepared.tools else None
+            ToolCallParser(prepared.tools, prepared.parallel_tool_calls, end)
+            if prepared.tools
+            else None
         )
+        self.answer_calls_only = prepared.forced
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
         """(reasoning, content, complete calls) that are safe to send now."""
+        if self.answer_calls_only:
+            return self._answer_calls(*self.splitter.feed(text))
         return self._split(self.tools.feed(text) if self.tools is not None else [text])
 
     def finish(self, reason: str) -> tuple[str, str, list[ToolCall]]:
         """What was held back, once the output ended with finish ``reason``."""
         cut = reason == "length"
+        if self.answer_calls_only:
+            return self._answer_calls(*self.splitter.finish(), cut=cut)
         reasoning, content, calls = self._split(
             self.tools.finish(cut) if self.tools is not None else []
         )
         r, c = self.splitter.finish()
         return reasoning + r, content + c, calls
+
+    def _answer_calls(
+        self, reasoning: str, content: str, cut: bool | None = None
+    ) -> tuple[str, str, list[ToolCall]]:
+        """Calls out of the answer text only; ``cut`` set: the output's end."""
+        if self.tools is None:
+            return reasoning, content, []
+        pieces = self.tools.feed(content) + ([] if cut is None else self.tools.finish(cut))
+        text = "".join(p for p in pieces if isinstance(p, str))
+        return reasoning, text, [p for p in pieces if isinstance(p, ToolCall)]
 
     def _split(self, pieces: list[str | ToolCall]) -> tuple[str, str, list[ToolCall]]:
         reasoning, content, calls = "", "", []
@@ -188,7 +207,20 @@ class ChatText:
     def dropped(self) -> int:
         return self.tools.dropped if self.tools is not None else 0
 
+    def outcome(self, reason: str) -> str:
+        """How the answer ended, once ``finish`` ran: ``reason``, except that max_tokens cutting
+        only an extra call (or the whitespace after a call) leaves a whole answer: "stop".
+
+        The cut call is dropped (``dropped`` counts it): the calls before it are complete,
+        and an agent can run them (an incomplete answer makes agent SDKs give up).
+        """
+        tools = self.tools
+        if reason == "length" and tools is not None and tools.calls and not tools.text_after_call:
+            return "stop"
+        return reason
+
     def finish_reason(self, reason: str) -> str:
+        reason = self.outcome(reason)
         return "tool_calls" if self.called and reason == "stop" else reason
 
     def stats(self, stats: dict[str, Any]) -> dict[str, Any]:

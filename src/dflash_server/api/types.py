@@ -82,6 +82,9 @@ class SamplingFields(_SamplingOverrides):
     dflash_tokens: bool | None = Field(
         None, description="streams: each chunk lists its tokens' texts and sources (draft/target)"
     )
+    skip_special_tokens: bool | None = Field(
+        None, description="vLLM: leave control tokens out of the text (null: true)"
+    )
 
     @field_validator("stop")
     @classmethod

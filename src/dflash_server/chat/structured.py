@@ -6,7 +6,9 @@ itself back), and only committed tokens advance it for good. So grammar-constrai
 speculative and exactly follows the target's masked distribution.
 
 While a reasoning block is open (Qwen3.5 with thinking on), the grammar waits: reasoning is free
-text, and the grammar starts after the think-end token, as the answer is what must parse.
+text, and the grammar starts after the think-end token, as the answer is what must parse. Only
+the end tokens are refused while reasoning, so the answer cannot end before the grammar had its
+turn (the thinking budget, see budget.py, closes reasoning that would never end).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class GrammarConstraint:
     """``TokenConstraint`` over an llguidance matcher; see the module docstring.
 
     ``think_end``: the think-end token id when the prompt leaves reasoning open; the grammar
-    applies from the token after it (every token is allowed before).
+    applies from the token after it (every token but the end tokens is allowed before).
     """
 
     def __init__(self, tokenizer: Any, grammar: str, think_end: int | None = None):
@@ -193,17 +195,23 @@ class GrammarConstraint:
         self.think_end = think_end
         self.reasoning = think_end is not None
         self.rows = 0  # masks computed, for the benchmark's cost per row
+        self.ends = sorted(t for t in self.ll.eos_tokens if 0 <= t < self.width)
+        self._reasoning_row: mx.array | None = None  # built on the worker thread (MLX streams)
 
     def allowed(self, drafts: Sequence[int]) -> mx.array | None:
         drafts = list(drafts)
         n = len(drafts) + 1
-        # -1 = all bits set: rows before the grammar starts (and after a rejected draft) allow all.
+        # -1 = all bits set: rows after a rejected draft allow all, and so do the rows before the
+        # grammar starts, but for the end tokens (cleared below).
         buf = np.full((n, self.words), -1, dtype=np.int32)
         start = 0
         if self.reasoning:
             if self.think_end not in drafts:
-                return None  # still reasoning along the whole path: free text
+                return self._while_reasoning(n)  # reasoning along the whole path
             start = drafts.index(self.think_end) + 1
+            reasoning_rows = buf[:start].view(np.uint32)
+            for end in self.ends:  # the rows up to the think-end token: no end token
+                reasoning_rows[:, end // 32] &= np.uint32(~(1 << (end % 32)) & 0xFFFFFFFF)
         path = drafts[start:]
         # Ids past the tokenizer (spare embedding rows) are never allowed; llguidance would
         # treat them as an error, so the path stops there (later rows are unused anyway).
@@ -222,6 +230,16 @@ class GrammarConstraint:
         # Arrays are made here, not at import: MLX streams belong to the thread that runs this.
         bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
         return bits.reshape(n, -1)[:, : self.width].astype(mx.bool_)
+
+    def _while_reasoning(self, n: int) -> mx.array:
+        """``n`` rows of free reasoning: every token but the end tokens."""
+        if self._reasoning_row is None:
+            ids = mx.arange(self.width)
+            row = mx.ones((self.width,), dtype=mx.bool_)
+            for end in self.ends:
+                row = row & (ids != end)
+            self._reasoning_row = row
+        return mx.broadcast_to(self._reasoning_row[None], (n, self.width))
 
     def commit(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)

@@ -13,7 +13,9 @@ The format (docs/design.md, "The Qwen chat format")::
 Values are raw text; their JSON type comes from the function's parameter schema. A call is
 emitted whole once its closing tag arrives, so a malformed call can still fall back to plain text
 (with a logged warning) instead of half-sent arguments; an unfinished one (cut by max_tokens) is
-dropped, never returned as markup. One parser per request.
+dropped, never returned as markup. A ``<tool_call>`` that another ``<tool_call>`` or the think-end
+marker follows before its closing tag was stray (a model musing about the format in its
+reasoning): it stays text, and the call after it is still parsed. One parser per request.
 """
 
 from __future__ import annotations
@@ -170,13 +172,21 @@ class ToolCallParser:
 
     A piece is text (safe to show: no markup, possibly a held-back tail released later) or a
     complete ToolCall. After a call, whitespace-only text is dropped (the model's separators).
+    ``think_end``: the reasoning's closing marker, which no call contains (see the module doc).
     """
 
-    def __init__(self, tools: Sequence[dict[str, Any]] | None, parallel: bool = True) -> None:
+    def __init__(
+        self,
+        tools: Sequence[dict[str, Any]] | None,
+        parallel: bool = True,
+        think_end: str | None = "</think>",
+    ) -> None:
         self.schemas = tool_schemas(tools)
         self.parallel = parallel
         self.calls: list[ToolCall] = []
         self.dropped = 0  # unfinished calls left out at the end
+        self.text_after_call = False  # text (not whitespace) came after the last complete call
+        self._breaks = (CALL_START, think_end) if think_end else (CALL_START,)
         self._buf = ""
         self._in_call = False
         self._space = ""  # whitespace after a call, kept until we know text follows
@@ -196,11 +206,21 @@ class ToolCallParser:
                 self._buf, self._in_call = self._buf[i + len(CALL_START) :], True
             else:
                 j = self._buf.find(CALL_END)
+                stray = self._stray(len(self._buf) if j < 0 else j)
+                if stray is not None:  # the open tag was text: give it back, look again
+                    self._text(CALL_START + self._buf[:stray], out)
+                    self._buf, self._in_call = self._buf[stray:], False
+                    continue
                 if j < 0:
                     return out
                 body, self._buf = self._buf[:j], self._buf[j + len(CALL_END) :]
                 self._in_call = False
                 self._call(body, out)
+
+    def _stray(self, end: int) -> int | None:
+        """Where a marker no call contains starts in the open call's text before ``end``."""
+        hits = [i for m in self._breaks if (i := self._buf.find(m, 0, end)) >= 0]
+        return min(hits) if hits else None
 
     def finish(self, cut: bool = False) -> list[Piece]:
         """The rest, at the end of the output; ``cut``: it ended at max_tokens.
@@ -232,6 +252,7 @@ class ToolCallParser:
                 self._space += text
                 return
             text, self._space = self._space + text, ""
+            self.text_after_call = True
         out.append(text)
 
     def _call(self, body: str, out: list[Piece]) -> None:
@@ -242,7 +263,7 @@ class ToolCallParser:
         self._accept(call, out)
 
     def _accept(self, call: ToolCall, out: list[Piece]) -> None:
-        self._space = ""
+        self._space, self.text_after_call = "", False
         if self.calls and not self.parallel:
             log.warning("parallel_tool_calls is false: dropping extra call to %r", call.name)
             return
@@ -256,6 +277,7 @@ class ToolCallParser:
         log.debug("the malformed tool call: %r", raw[:200])
         if self.calls:
             raw, self._space = self._space + raw, ""
+            self.text_after_call = True
         out.append(raw)
 
 

@@ -65,6 +65,8 @@ class GenerationRequest:
     checkpoints: tuple[int, ...] = ()
     # An mlx-lm style sampler (logprobs -> tokens), Python API only: replaces the sampling rule.
     sampler: Callable[[mx.array], mx.array] | None = None
+    # Leave control tokens out of the text (the server's default; see text.hidden_tokens).
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt:

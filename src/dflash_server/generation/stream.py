@@ -27,7 +27,7 @@ from dflash_server.generation.request import (
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder, SpeculativeStats
 from dflash_server.generation.target import TargetModel
-from dflash_server.generation.text import TextStream, encode
+from dflash_server.generation.text import TextStream, encode, hidden_tokens
 
 
 @dataclass
@@ -90,7 +90,8 @@ def generate(
         prefix=prefix,
         checkpoints=request.checkpoints,
     )
-    text = TextStream(tokenizer, request.stop)
+    hidden = hidden_tokens(tokenizer) if request.skip_special_tokens else frozenset()
+    text = TextStream(tokenizer, request.stop, hidden)
     prompt = list(request.prompt)
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0

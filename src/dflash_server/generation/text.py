@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
+import weakref
 from collections.abc import Sequence
 from typing import cast
 
@@ -47,13 +50,46 @@ class StopMatcher:
         return out
 
 
-class TextStream:
-    """Token commits -> text: the detokenizer plus stop strings (text-level termination)."""
+# Markup the server parses out of answers (chat/reasoning.py, chat/tool_calls.py): kept.
+PARSED_MARKERS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+_TAG = re.compile(r"<[^<>\s]+>")  # a control token's shape: <|im_start|>, <tool_response>
+_HIDDEN: weakref.WeakKeyDictionary[object, frozenset[int]] = weakref.WeakKeyDictionary()
 
-    def __init__(self, tokenizer: TokenizerWrapper, stop: Sequence[str]) -> None:
+
+def hidden_tokens(tokenizer: TokenizerWrapper) -> frozenset[int]:
+    """Ids whose text answers leave out, as vLLM's ``skip_special_tokens``: the tokenizer's
+    added tokens that are special or shaped like a tag, but the markers the server parses."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    cached = _HIDDEN.get(hf)
+    if cached is None:
+        keep = set(PARSED_MARKERS)
+        for name in ("think_start", "think_end", "tool_call_start", "tool_call_end"):
+            with contextlib.suppress(AttributeError, ValueError):
+                keep.add(getattr(tokenizer, name) or "")
+        added = getattr(hf, "added_tokens_decoder", None) or {}
+        cached = frozenset(
+            int(i)
+            for i, t in added.items()
+            if (t.special or _TAG.fullmatch(t.content)) and t.content not in keep
+        )
+        _HIDDEN[hf] = cached
+    return cached
+
+
+class TextStream:
+    """Token commits -> text: the detokenizer plus stop strings (text-level termination).
+
+    ``hidden``: token ids left out of the text (see ``hidden_tokens``); they still count as
+    tokens, with an empty piece.
+    """
+
+    def __init__(
+        self, tokenizer: TokenizerWrapper, stop: Sequence[str], hidden: frozenset[int] = frozenset()
+    ) -> None:
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
         self.stops = StopMatcher(stop)
+        self.hidden = hidden
         self.hit: str | None = None  # the stop string that ended the text
         self.pieces: list[str] = []  # each token's own text in the last ``feed`` (detokenized)
 
@@ -61,6 +97,9 @@ class TextStream:
         """(text safe to emit, tokens it covers, finish reason or None)."""
         text, finish, self.pieces = "", commit.finish, []
         for n, token in enumerate(commit.tokens, 1):
+            if token in self.hidden:
+                self.pieces.append("")
+                continue
             self.detokenizer.add_token(token)
             self.pieces.append(self.detokenizer.last_segment)
             segment, self.hit = self.stops.feed(self.pieces[-1])
