@@ -162,8 +162,13 @@ def test_effort_and_refusals(scripted: tuple[openai.OpenAI, ScriptedGenerate]) -
         model="tiny", input="Hi", reasoning={"effort": "low"}, max_output_tokens=5000
     )
     assert script.calls[-1]["request"].constraint.budget == 1024
-    with pytest.raises(openai.BadRequestError, match="web_search"):
-        client.responses.create(model="tiny", input="Hi", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="web_search"):  # forced: cannot run it
+        client.responses.create(
+            model="tiny",
+            input="Hi",
+            tools=[{"type": "web_search"}],
+            tool_choice={"type": "web_search"},
+        )
     with pytest.raises(openai.BadRequestError, match="item_reference"):
         client.responses.create(model="tiny", input=[{"type": "item_reference", "id": "x"}])
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):

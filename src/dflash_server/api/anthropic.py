@@ -9,12 +9,14 @@ template, speculation, grammar and thinking budget. The answer is shaped in
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import chat_request
+from dflash_server.api.tool_checks import check_function, check_parameters
 from dflash_server.api.types import ChatCompletionRequest, _Request
 from dflash_server.generation.sampling import MAX_INT
 
@@ -40,7 +42,7 @@ class Block(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: rendered as the chat API renders it
     content: str | list[Block]
 
 
@@ -52,9 +54,32 @@ class Tool(BaseModel):
     type: str | None = None  # None or "custom"; server tools (web search, ...) are refused
 
 
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type "tool"
+    disable_parallel_tool_use: bool | None = None
+
+
 class Thinking(BaseModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0, le=MAX_INT)
+    display: Literal["summarized", "omitted"] | None = None  # omitted: blocks without text
+
+
+class OutputFormat(BaseModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(..., alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")  # effort: the thinking settings decide here
+    format: OutputFormat | None = None
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = None
 
 
 class CountTokensRequest(_Request):
@@ -64,7 +89,7 @@ class CountTokensRequest(_Request):
     messages: list[Message] = Field(..., min_length=1)
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
 
@@ -75,7 +100,12 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    metadata: dict[str, Any] | None = None  # user_id: ignored
+    metadata: Metadata | None = None  # user_id: ignored
+    output_config: OutputConfig | None = None
+
+    @property
+    def omit_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.display == "omitted"
 
     @field_validator("stop_sequences")
     @classmethod
@@ -86,6 +116,25 @@ class MessagesRequest(CountTokensRequest):
 
 
 # ----- request -> chat request -------------------------------------------------------------
+
+# Thinking blocks sent without their text (display "omitted") carry it in their signature, so
+# the block a client sends back renders the reasoning as it was.
+_SIGNED = "dflash-thinking:"
+
+
+def sign_thinking(text: str) -> str:
+    return _SIGNED + base64.b64encode(text.encode()).decode()
+
+
+def _thinking(block: Block) -> str:
+    """A thinking block's text: shown, or kept in a signature from this server."""
+    signature = (block.model_extra or {}).get("signature")
+    if block.thinking or not isinstance(signature, str) or not signature.startswith(_SIGNED):
+        return block.thinking or ""
+    try:
+        return base64.b64decode(signature[len(_SIGNED) :], validate=True).decode()
+    except ValueError:
+        return ""
 
 
 def _unsupported(kind: str, where: str) -> APIError:
@@ -144,7 +193,7 @@ def _assistant_message(msg: Message, where: str) -> dict[str, Any]:
         if block.type == "text":
             texts.append(block.text or "")
         elif block.type == "thinking":
-            thoughts.append(block.thinking or "")
+            thoughts.append(_thinking(block))
         elif block.type == "tool_use":
             if not block.name or not isinstance(block.input, dict | None):
                 raise APIError(
@@ -175,26 +224,29 @@ def _tool_policy(req: CountTokensRequest) -> dict[str, Any]:
                 param=f"tools.{i}",
                 code="unsupported_tool",
             )
+        where = f"tools.{i}"
+        check_function(tool.name, tool.input_schema, f"{where}.name", f"{where}.input_schema")
         function = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
         if tool.description:
             function["description"] = tool.description
         tools.append({"type": "function", "function": function})
     out: dict[str, Any] = {"tools": tools or None}
-    choice = req.tool_choice or {"type": "auto"}
-    kind = choice.get("type")
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
-    if kind == "tool":
-        mapped = {"type": "function", "function": {"name": choice.get("name")}}
-    if mapped is None:
-        raise APIError(
-            400,
-            "tool_choice.type must be 'auto', 'any', 'tool' (with a name) or 'none'",
-            param="tool_choice",
-            code="invalid_value",
-        )
+    choice = req.tool_choice or ToolChoice(type="auto")
+    mapped: Any = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
+    if choice.type == "any" and not tools:
+        raise APIError(400, "tool_choice 'any' needs tools", param="tool_choice.type")
+    if choice.type == "tool":
+        if choice.name not in {t.name for t in req.tools or []}:
+            raise APIError(
+                400,
+                f"tool_choice.name {str(choice.name)[:80]!r} is not among the tools",
+                param="tool_choice.name",
+                code="invalid_value",
+            )
+        mapped = {"type": "function", "function": {"name": choice.name}}
     if tools:
         out["tool_choice"] = mapped
-    if choice.get("disable_parallel_tool_use"):
+    if choice.disable_parallel_tool_use:
         out["parallel_tool_calls"] = False
     return out
 
@@ -209,6 +261,8 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
         where = f"messages.{i}"
         if msg.role == "user":
             messages += _user_messages(msg, where)
+        elif msg.role == "system":
+            messages.append({"role": "system", "content": _text(msg.content, f"{where}.content")})
         else:
             messages.append(_assistant_message(msg, where))
     data: dict[str, Any] = {"model": req.model, "messages": messages, **_tool_policy(req)}
@@ -218,6 +272,11 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
             data["thinking_budget"] = req.thinking.budget_tokens
     if isinstance(req, MessagesRequest):
         data |= {"max_tokens": req.max_tokens, "stream": req.stream, "stop": req.stop_sequences}
+        fmt = req.output_config.format if req.output_config is not None else None
+        if fmt is not None:
+            check_parameters(fmt.schema_, "output_config.format.schema", object_only=False)
+            spec = {"name": "output", "schema": fmt.schema_}
+            data["response_format"] = {"type": "json_schema", "json_schema": spec}
         data |= {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     extra = req.model_extra or {}
     data |= {k: extra[k] for k in _EXTENSIONS if k in extra}

@@ -18,6 +18,7 @@ from typing import Any
 
 from sse_starlette import ServerSentEvent
 
+from dflash_server.api.anthropic import sign_thinking
 from dflash_server.api.errors import APIError, anthropic_error
 from dflash_server.api.prepare import Prepared
 from dflash_server.api.responses import ChatText, dflash_stats, dumps, job_events, run_to_end
@@ -30,11 +31,15 @@ Event = tuple[str, dict[str, Any]]  # (event name, payload)
 class MessageShaper:
     """Model text -> Anthropic content blocks, and the stream events that build them."""
 
-    def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
+    def __init__(self, prepared: Prepared, tokenizer: Any, omit_thinking: bool = False) -> None:
         self.chat = ChatText(prepared, tokenizer)
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # type of the block being written ("thinking", "text")
         self.tokens = 0
+        # thinking.display "omitted": thinking blocks carry no text, only a signature (which
+        # holds the text, so the block sent back renders the same prompt; see anthropic.py).
+        self.omit_thinking = omit_thinking
+        self.hidden = ""
 
     def feed(self, ev: TextChunk) -> list[Event]:
         self.tokens += ev.tokens
@@ -75,6 +80,9 @@ class MessageShaper:
             self.blocks.append(block)
             self.open = kind
             events.append(_start(len(self.blocks) - 1, dict(block)))
+        if kind == "thinking" and self.omit_thinking:
+            self.hidden += text
+            return events
         self.blocks[-1][kind] += text
         delta_type = "thinking_delta" if kind == "thinking" else "text_delta"
         return [*events, _delta(len(self.blocks) - 1, {"type": delta_type, kind: text})]
@@ -82,10 +90,13 @@ class MessageShaper:
     def _close(self) -> list[Event]:
         if self.open is None:
             return []
+        index, events = len(self.blocks) - 1, []
+        if self.open == "thinking" and self.omit_thinking:
+            signature, self.hidden = sign_thinking(self.hidden), ""
+            self.blocks[-1]["signature"] = signature
+            events.append(_delta(index, {"type": "signature_delta", "signature": signature}))
         self.open = None
-        return [
-            ("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})
-        ]
+        return [*events, ("content_block_stop", {"type": "content_block_stop", "index": index})]
 
 
 def _start(index: int, block: dict[str, Any]) -> Event:
@@ -114,9 +125,9 @@ def _usage(prepared: Prepared, output_tokens: int, done: Finished | None) -> dic
 class _Run:
     """One Messages request against its job: the events, and the whole message at the end."""
 
-    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any):
+    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any, omit_thinking: bool):
         self.p, self.job = prepared, job
-        self.shaper = MessageShaper(prepared, tokenizer)
+        self.shaper = MessageShaper(prepared, tokenizer, omit_thinking)
         self.message = {
             "id": f"msg_{uuid.uuid4().hex}",
             "type": "message",
@@ -172,10 +183,11 @@ class _Run:
 
 
 async def stream_messages(
-    prepared: Prepared, job: Job, tokenizer: Any, interval: float
+    prepared: Prepared, job: Job, tokenizer: Any, interval: float, omit_thinking: bool = False
 ) -> AsyncIterator[ServerSentEvent]:
     """A Messages stream as server-sent events (``event:`` names and JSON data)."""
-    async for name, payload in _Run(prepared, job, tokenizer).events(interval):
+    run = _Run(prepared, job, tokenizer, omit_thinking)
+    async for name, payload in run.events(interval):
         yield ServerSentEvent(data=dumps(payload), event=name)
 
 
@@ -189,7 +201,8 @@ async def collect_message(
     job: Job,
     tokenizer: Any,
     is_disconnected: Callable[[], Awaitable[bool]],
+    omit_thinking: bool = False,
 ) -> dict[str, Any] | None:
     """The whole message; None if the client went away."""
-    run = _Run(prepared, job, tokenizer)
+    run = _Run(prepared, job, tokenizer, omit_thinking)
     return run.message if await run_to_end(run.events(is_disconnected=is_disconnected)) else None

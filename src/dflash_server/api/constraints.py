@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from dflash_server.api.errors import APIError
+from dflash_server.api.tool_checks import check_function
 from dflash_server.api.types import ChatCompletionRequest, SamplingFields
 from dflash_server.chat.budget import Budgeted
 from dflash_server.chat.logprobs import MAX_TOP_LOGPROBS
@@ -36,6 +37,8 @@ def tool_policy(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None
                 param=f"tools.{i}",
                 code="invalid_value",
             )
+        where = f"tools.{i}.function"
+        check_function(fn["name"], fn.get("parameters"), f"{where}.name", f"{where}.parameters")
         names.append(fn["name"])
     choice = req.tool_choice
     if choice in (None, "auto"):

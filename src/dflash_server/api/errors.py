@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("dflash_server")
 
@@ -79,11 +80,35 @@ class APIError(Exception):
             }
         }
 
+    def anthropic_message(self) -> str:
+        """The message in the wording Anthropic's clients expect (the same, but for some)."""
+        return self.message
+
     def response(self, path: str = "") -> JSONResponse:
         """The error as JSON, in Anthropic's shape on the Anthropic paths."""
         anthropic = path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
-        body = anthropic_error(self.status, self.message) if anthropic else self.body()
+        body = anthropic_error(self.status, self.anthropic_message()) if anthropic else self.body()
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class ContextLengthError(APIError):
+    """A prompt that does not fit the context, worded as each protocol's clients parse it:
+    OpenAI's ``context_length_exceeded`` message, Anthropic's ``prompt is too long: N tokens >
+    M maximum`` (Claude Code compacts the conversation when it reads that)."""
+
+    def __init__(self, tokens: int, limit: int, param: str) -> None:
+        what = "messages" if param != "prompt" else "prompt"
+        super().__init__(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your {what} "
+            f"resulted in {tokens} tokens. Please reduce the length of the {what}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+        self.tokens, self.limit = tokens, limit
+
+    def anthropic_message(self) -> str:
+        return f"prompt is too long: {self.tokens} tokens > {self.limit} maximum"
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -133,8 +158,39 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return error.response(request.url.path)
 
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        error = APIError(500, f"internal error: {type(exc).__name__}")
-        return error.response(request.url.path)
+    app.add_middleware(CrashGuard)
+
+
+def _crash_response(path: str, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s", path, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}").response(path)
+
+
+class CrashGuard:
+    """A bug becomes a 500 error object, and the connection stays usable.
+
+    (Starlette's own last-resort handler sends its response and then re-raises, so the server
+    closes the keep-alive connection; this one answers and returns.) Inside the error
+    middleware: errors after a response started are left to it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            await _crash_response(scope.get("path", ""), exc)(scope, receive, send)

@@ -42,6 +42,18 @@ def template_message(msg: ChatMessage, index: int) -> dict[str, Any]:
     return out
 
 
+def merged_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages with every system message after the first turn merged, in order, into the
+    leading system text; None when there are none to merge. For templates that only take a
+    system message first (Qwen3.5's raises on one elsewhere)."""
+    late = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
+    if not late or all(messages[j]["role"] == "system" for j in range(max(late) + 1)):
+        return None
+    system = [m["content"] for m in messages if m["role"] == "system" and m["content"]]
+    rest = [m for m in messages if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest] if system else rest
+
+
 def history_call(call: dict[str, Any], index: int) -> dict[str, Any]:
     """An assistant tool call from the history, its arguments as a mapping for the template."""
     fn = call.get("function") if isinstance(call.get("function"), dict) else call

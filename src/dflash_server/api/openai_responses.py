@@ -4,8 +4,10 @@ A thin translation: ``input`` items (messages, ``function_call``, ``function_cal
 ``reasoning``) after the stored conversation of ``previous_response_id``, with ``instructions``
 as the system message, become the chat request they mean (tools, tool_choice, ``text.format``
 as response_format, ``reasoning.effort`` as the thinking budget); ``prepare_chat`` turns it into
-the same ``GenerationRequest`` as ``/v1/chat/completions``. The answer is shaped in
-``openai_responses_events.py``.
+the same ``GenerationRequest`` as ``/v1/chat/completions``. Input items are translated in
+``openai_responses_input.py``, tools (namespaces, hosted tools) in ``openai_responses_tools.py``;
+the answer is shaped in ``openai_responses_events.py``. ``truncation: "auto"`` drops the oldest
+turns of a conversation that does not fit the context (``prepare_response``).
 
 ``store`` (default true) keeps the response and its conversation in memory, in a bounded
 least-recently-used store (``--responses-store`` entries), so a later request can continue it
@@ -17,20 +19,25 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dflash_server.api.errors import APIError
-from dflash_server.api.prepare import chat_request
+from dflash_server.api.errors import APIError, ContextLengthError
+from dflash_server.api.openai_responses_input import input_messages
+from dflash_server.api.openai_responses_tools import ResponseTools, chat_tool_choice
+from dflash_server.api.prepare import Prepared, chat_request, prepare_chat
+from dflash_server.api.tool_checks import check_parameters
 from dflash_server.api.types import ChatCompletionRequest, _Request
+from dflash_server.engine.worker import Engine
 from dflash_server.generation.sampling import MAX_INT
+from dflash_server.settings import Settings
 
 # DFlash and sampling extensions a Responses request may carry as extra fields.
 _EXTENSIONS = ("block_size", "speculative", "seed", "top_k", "min_p", "repetition_penalty")
 _EXTENSIONS += ("presence_penalty", "frequency_penalty", "thinking_budget", "enable_thinking")
 # Fields that would change what is generated and that this server cannot honour.
-_REFUSED = ("background", "conversation", "prompt", "top_logprobs")
+_REFUSED = ("background", "conversation", "prompt")
 
 
 class TextConfig(BaseModel):
@@ -42,6 +49,11 @@ class ReasoningConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
     effort: str | None = None
     summary: str | None = None  # no summaries here: the reasoning itself is returned
+
+
+# ``include`` values this server can honour: the reasoning is always returned as text (so it
+# needs no encrypted copy), and output_text logprobs are computed when asked for.
+INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
 
 class ResponsesRequest(_Request):
@@ -56,10 +68,35 @@ class ResponsesRequest(_Request):
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     previous_response_id: str | None = None
     store: bool | None = True
     stream: bool | None = False
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
+        if value is not None and (
+            len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items())
+        ):
+            raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or []:
+            if name not in INCLUDES:
+                raise ValueError(f"{name!r} is not supported (supported: {', '.join(INCLUDES)})")
+        return value
+
+    @property
+    def logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or [])
 
 
 # ----- the store ---------------------------------------------------------------------------
@@ -117,123 +154,69 @@ def previous(store: ResponseStore, response_id: str | None) -> list[dict[str, An
     return list(found.conversation)
 
 
-# ----- input items -> chat messages --------------------------------------------------------
-
-
-def _content_text(content: Any, where: str) -> str:
-    """The text of a message's content: a string, or input_text/output_text/refusal parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise APIError(400, "content must be a string or a list of parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("refusal" if kind == "refusal" else "text") if kind else None
-        if kind not in ("input_text", "output_text", "text", "refusal") or not isinstance(
-            text, str
-        ):
-            raise APIError(
-                400,
-                f"content part type {kind!r} is not supported; only text parts are",
-                param=f"{where}.{j}",
-                code="unsupported_content",
-            )
-        texts.append(text)
-    return "".join(texts)
-
-
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages for ``input``; function calls join the assistant turn they belong to."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict[str, Any]] = []
-    reasoning: str | None = None  # a reasoning item belongs to the assistant turn after it
-    for i, item in enumerate(items):
-        where = f"input.{i}"
-        kind = item.get("type", "message")
-        if kind == "message":
-            message = {
-                "role": item.get("role"),
-                "content": _content_text(item.get("content"), f"{where}.content"),
-            }
-            if message["role"] == "assistant" and reasoning:
-                message["reasoning_content"], reasoning = reasoning, None
-            out.append(message)
-        elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-                raise APIError(400, "function_call items need name and call_id", param=where)
-            function = {"name": item["name"], "arguments": item.get("arguments") or "{}"}
-            call = {"id": item["call_id"], "type": "function", "function": function}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and not reasoning:
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                turn = {"role": "assistant", "content": "", "tool_calls": [call]}
-                if reasoning:
-                    turn["reasoning_content"], reasoning = reasoning, None
-                out.append(turn)
-        elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
-        elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
-            reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
-        else:
-            raise APIError(
-                400,
-                f"input item type {kind!r} is not supported (message, function_call, "
-                "function_call_output and reasoning are)",
-                param=where,
-                code="unsupported_content",
-            )
-    return out
-
-
-def _tools(req: ResponsesRequest) -> dict[str, Any]:
-    tools = []
-    for i, tool in enumerate(req.tools or []):
-        if tool.get("type") != "function":
-            raise APIError(
-                400,
-                f"tool type {tool.get('type')!r} is not supported: only function tools are",
-                param=f"tools.{i}",
-                code="unsupported_tool",
-            )
-        keys = ("name", "description", "parameters", "strict")
-        tools.append({"type": "function", "function": {k: tool[k] for k in keys if k in tool}})
-    choice = req.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function":
-            raise APIError(
-                400,
-                "tool_choice must be 'auto', 'none', 'required' or "
-                "{'type': 'function', 'name': ...}",
-                param="tool_choice",
-                code="invalid_value",
-            )
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    out: dict[str, Any] = {"tools": tools or None, "parallel_tool_calls": req.parallel_tool_calls}
-    if tools:
+def _tools(req: ResponsesRequest, tools: ResponseTools) -> dict[str, Any]:
+    choice = chat_tool_choice(req.tool_choice, tools)
+    if choice == "required" and not tools.functions:
+        raise APIError(
+            400,
+            "tool_choice 'required' needs function tools (hosted tools are left out here)",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if isinstance(choice, dict) and not tools.functions:
+        raise APIError(
+            400,
+            f"tool_choice names {choice['function']['name']!r}, which is not among the tools",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    out: dict[str, Any] = {
+        "tools": tools.functions or None,
+        "parallel_tool_calls": req.parallel_tool_calls,
+    }
+    if tools.functions:
         out["tool_choice"] = choice
     return out
 
 
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:
     fmt = text.format if text is not None else None
-    if not fmt or fmt.get("type") != "json_schema":
-        return fmt
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind != "json_schema":
+        raise APIError(
+            400,
+            "text.format.type must be 'text', 'json_object' or 'json_schema'",
+            param="text.format.type",
+            code="invalid_value",
+        )
+    for key, kinds in (("name", str), ("schema", dict)):
+        if not isinstance(fmt.get(key), kinds):
+            raise APIError(
+                400,
+                f"text.format.{key} is required with type 'json_schema' "
+                f"(a {'string' if kinds is str else 'JSON Schema object'})",
+                param=f"text.format.{key}",
+                code="invalid_value",
+            )
+    check_parameters(fmt["schema"], "text.format.schema", object_only=False)
     spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
     return {"type": "json_schema", "json_schema": spec}
 
 
-def conversation(store: ResponseStore, req: ResponsesRequest) -> list[dict[str, Any]]:
+def conversation(
+    store: ResponseStore, req: ResponsesRequest, tools: ResponseTools
+) -> list[dict[str, Any]]:
     """The conversation so far: the stored one of ``previous_response_id``, then ``input``."""
-    return previous(store, req.previous_response_id) + input_messages(req.input)
+    return previous(store, req.previous_response_id) + input_messages(req.input, tools)
 
 
-def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+def to_chat(
+    req: ResponsesRequest, conversation: list[dict[str, Any]], tools: ResponseTools
+) -> ChatCompletionRequest:
     """The chat request a Responses request means: ``instructions``, then ``conversation``."""
     extra = req.model_extra or {}
     for name in _REFUSED:
@@ -250,9 +233,53 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCo
         "top_p": req.top_p,
         "stream": req.stream,
         "response_format": _response_format(req.text),
-        **_tools(req),
+        **_tools(req, tools),
     }
+    if req.logprobs or req.top_logprobs:
+        data |= {"logprobs": True, "top_logprobs": req.top_logprobs}
     if req.reasoning is not None and req.reasoning.effort is not None:
         data["reasoning_effort"] = req.reasoning.effort
     data |= {k: extra[k] for k in _EXTENSIONS if k in extra}
     return chat_request(data)
+
+
+def _turn_starts(conversation: list[dict[str, Any]]) -> list[int]:
+    """Where each user turn starts (after the first): the places the oldest items can be
+    cut so the rest still begins with a user message."""
+    return [i for i, m in enumerate(conversation) if m["role"] == "user" and i > 0]
+
+
+async def prepare_response(
+    req: ResponsesRequest,
+    conversation: list[dict[str, Any]],
+    tools: ResponseTools,
+    settings: Settings,
+    engine: Engine,
+) -> tuple[Prepared, list[dict[str, Any]]]:
+    """The prepared request and the conversation it holds. With ``truncation: "auto"`` a
+    conversation over the context loses its oldest turns (system messages stay) until the
+    rest fits; otherwise, or when even the last turn does not fit, it is a 400."""
+    try:
+        return await prepare_chat(to_chat(req, conversation, tools), settings, engine), conversation
+    except ContextLengthError as exc:
+        exc.param = "input"
+        if req.truncation != "auto":
+            raise
+        error = exc
+    system = [m for m in conversation if m["role"] in ("system", "developer")]
+    rest = [m for m in conversation if m["role"] not in ("system", "developer")]
+    cuts = _turn_starts(rest)
+    best: tuple[Prepared, list[dict[str, Any]]] | None = None
+    lo, hi = 0, len(cuts) - 1  # binary search: the fewest turns dropped that fit
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        kept = system + rest[cuts[mid] :]
+        try:
+            best = await prepare_chat(to_chat(req, kept, tools), settings, engine), kept
+            hi = mid - 1
+        except ContextLengthError as exc:
+            exc.param = "input"
+            error, lo = exc, mid + 1
+    if best is None:
+        raise error
+    return best

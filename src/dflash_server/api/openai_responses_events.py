@@ -22,8 +22,10 @@ from sse_starlette import ServerSentEvent
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.openai_responses import ResponsesRequest
+from dflash_server.api.openai_responses_tools import ResponseTools
 from dflash_server.api.prepare import Prepared
 from dflash_server.api.responses import ChatText, dflash_stats, dumps, job_events, run_to_end
+from dflash_server.chat.logprobs import TokenLogprob, chat_logprobs
 from dflash_server.chat.tool_calls import ToolCall
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
 
@@ -33,7 +35,10 @@ def _id(prefix: str) -> str:
 
 
 def _tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """A function tool as a response echoes it (every field the spec requires)."""
+    """A tool as a response echoes it: function tools with every field the spec requires,
+    others as sent."""
+    if tool.get("type") != "function":
+        return tool
     out = {"type": "function", "name": tool.get("name"), "description": tool.get("description")}
     return out | {"parameters": tool.get("parameters"), "strict": tool.get("strict", False)}
 
@@ -41,8 +46,10 @@ def _tool(tool: dict[str, Any]) -> dict[str, Any]:
 class ResponseShaper:
     """Model text -> output items and the events that build them; one per response."""
 
-    def __init__(self, prepared: Prepared, tokenizer: Any, req: ResponsesRequest) -> None:
-        self.p, self.req = prepared, req
+    def __init__(
+        self, prepared: Prepared, tokenizer: Any, req: ResponsesRequest, tools: ResponseTools
+    ) -> None:
+        self.p, self.req, self.tools = prepared, req, tools
         self.chat = ChatText(prepared, tokenizer)
         self.id = _id("resp")
         self.created = int(time.time())
@@ -50,6 +57,9 @@ class ResponseShaper:
         self.open: str | None = None  # the item being written: "reasoning" or "message"
         self.seq = 0
         self.reasoning_tokens = 0
+        # output_text logprobs (include: message.output_text.logprobs): those of the tokens
+        # generated after the reasoning, not yet sent with their text.
+        self.logprobs: list[TokenLogprob] | None = [] if req.logprobs or req.top_logprobs else None
 
     # ----- the response object -------------------------------------------------------------
 
@@ -79,7 +89,7 @@ class ResponseShaper:
             "text": {"format": fmt},
             "tool_choice": req.tool_choice or "auto",
             "tools": [_tool(t) for t in req.tools or []],
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
             "metadata": req.metadata or {},
         }
         if status == "incomplete":
@@ -107,7 +117,8 @@ class ResponseShaper:
             elif item["type"] == "message":
                 message["content"] += item["content"][0]["text"]
             else:
-                function = {"name": item["name"], "arguments": item["arguments"]}
+                name = self.tools.flat(item["name"], item.get("namespace"))
+                function = {"name": name, "arguments": item["arguments"]}
                 call = {"id": item["call_id"], "type": "function", "function": function}
                 message.setdefault("tool_calls", []).append(call)
         return message
@@ -121,6 +132,8 @@ class ResponseShaper:
     def feed(self, ev: TextChunk) -> list[dict[str, Any]]:
         if self.chat.splitter.in_reasoning:  # per event: the one holding </think> counts too
             self.reasoning_tokens += ev.tokens
+        elif self.logprobs is not None:
+            self.logprobs += ev.logprobs or []
         return self._pieces(*self.chat.feed(ev.text))
 
     def finish(self, reason: str) -> list[dict[str, Any]]:
@@ -130,17 +143,25 @@ class ResponseShaper:
         events = self._append("reasoning", reasoning) + self._append("message", content)
         for call in calls:
             events += self._close()
-            item = {"id": _id("fc"), "type": "function_call", "call_id": call.id}
-            item |= {"name": call.name, "arguments": "", "status": "in_progress"}
+            if self.logprobs:  # the call's own tokens: not output text
+                self.logprobs = []
+            name, namespace = self.tools.split(call.name)
+            item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": name}
+            if namespace is not None:
+                item["namespace"] = namespace
+            item |= {"arguments": "", "status": "in_progress"}
             self.items.append(item)
-            at = {"item_id": item["id"], "output_index": len(self.items) - 1}
-            events.append(self.event("response.output_item.added", item=dict(item), **at))
+            index = len(self.items) - 1
+            events.append(
+                self.event("response.output_item.added", item=dict(item), output_index=index)
+            )
+            at = {"item_id": item["id"], "output_index": index}
             item |= {"arguments": call.arguments, "status": "completed"}
             events += [
                 self.event("response.function_call_arguments.delta", delta=call.arguments, **at),
                 self.event(
                     "response.function_call_arguments.done",
-                    name=call.name,
+                    name=name,
                     arguments=call.arguments,
                     **at,
                 ),
@@ -159,6 +180,7 @@ class ResponseShaper:
         events: list[dict[str, Any]] = []
         if self.open != kind:
             events += self._close()
+            item: dict[str, Any]
             if kind == "reasoning":
                 item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
             else:
@@ -176,8 +198,16 @@ class ResponseShaper:
         at = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
         if kind == "reasoning":
             return [*events, self.event("response.reasoning_text.delta", delta=text, **at)]
-        delta = self.event("response.output_text.delta", delta=text, logprobs=[], **at)
+        logprobs = self._take_logprobs()
+        item["content"][0]["logprobs"] += logprobs
+        delta = self.event("response.output_text.delta", delta=text, logprobs=logprobs, **at)
         return [*events, delta]
+
+    def _take_logprobs(self) -> list[dict[str, Any]]:
+        if not self.logprobs:
+            return []
+        entries, self.logprobs = self.logprobs, []
+        return chat_logprobs(entries)["content"]
 
     def _close(self) -> list[dict[str, Any]]:
         if self.open is None:
@@ -190,7 +220,10 @@ class ResponseShaper:
         if kind == "reasoning":
             done = self.event("response.reasoning_text.done", text=part["text"], **at)
         else:
-            done = self.event("response.output_text.done", text=part["text"], logprobs=[], **at)
+            logprobs = part["logprobs"]
+            done = self.event(
+                "response.output_text.done", text=part["text"], logprobs=logprobs, **at
+            )
         return [
             done,
             self.event("response.content_part.done", part=dict(part), **at),
@@ -201,9 +234,16 @@ class ResponseShaper:
 class ResponseRun:
     """One Responses request against its job: its events, then ``final`` (the response)."""
 
-    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any, req: ResponsesRequest):
+    def __init__(
+        self,
+        prepared: Prepared,
+        job: Job,
+        tokenizer: Any,
+        req: ResponsesRequest,
+        tools: ResponseTools,
+    ):
         self.job = job
-        self.shaper = ResponseShaper(prepared, tokenizer, req)
+        self.shaper = ResponseShaper(prepared, tokenizer, req, tools)
         self.final: dict[str, Any] | None = None
 
     async def events(

@@ -6,6 +6,7 @@ always gets a proper status code instead of an error inside an already-open stre
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -19,8 +20,13 @@ from dflash_server.api.constraints import (
     tool_policy,
     with_thinking_budget,
 )
-from dflash_server.api.errors import APIError, validation_error
-from dflash_server.api.messages import template_message, thinking_budget, thinking_enabled
+from dflash_server.api.errors import APIError, ContextLengthError, validation_error
+from dflash_server.api.messages import (
+    merged_system,
+    template_message,
+    thinking_budget,
+    thinking_enabled,
+)
 from dflash_server.api.types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -103,12 +109,8 @@ def _request(
     ctx = engine.models.summary.context_length
     room = ctx - len(prompt.tokens)
     if room <= 0:
-        raise APIError(
-            400,
-            f"prompt is {len(prompt.tokens)} tokens, the context limit is {ctx}: shorten it",
-            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
-        )
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        raise ContextLengthError(len(prompt.tokens), ctx, param)
     sampling = {name: getattr(req, name) for name in SERVED_FIELDS}
     defaults = {name: getattr(settings, name) for name in SERVED_FIELDS}
     # Default: as many tokens as fit, so long answers are not cut off at an arbitrary cap.
@@ -162,18 +164,26 @@ async def render_messages(
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
     tools, forced = tool_policy(req)
+    render = functools.partial(
+        render_chat,
+        engine.models.pair.tokenizer,
+        enable_thinking=thinking_enabled(req, settings.enable_thinking),
+        template_kwargs=kwargs,
+        tools=tools,
+    )
     try:
         # Templates and tokenizers are CPU work: keep them off the event loop.
-        prompt = await run_in_threadpool(
-            render_chat,
-            engine.models.pair.tokenizer,
-            messages,
-            enable_thinking=thinking_enabled(req, settings.enable_thinking),
-            template_kwargs=kwargs,
-            tools=tools,
-        )
+        prompt = await run_in_threadpool(render, messages)
     except PromptError as exc:
-        raise APIError(400, str(exc), param="messages", code="invalid_messages") from exc
+        # System messages later in the conversation render in place where the template
+        # allows it; a template that takes one only first gets them merged into that one.
+        merged = merged_system(messages)
+        if merged is None:
+            raise APIError(400, str(exc), param="messages", code="invalid_messages") from exc
+        try:
+            prompt = await run_in_threadpool(render, merged)
+        except PromptError as again:
+            raise APIError(400, str(again), param="messages", code="invalid_messages") from exc
     return ChatPrompt(prompt, tools, forced)
 
 

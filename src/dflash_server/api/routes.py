@@ -12,8 +12,13 @@ from dflash_server.api import anthropic_events, openai_responses_events
 from dflash_server.api.anthropic import CountTokensRequest, MessagesRequest
 from dflash_server.api.anthropic import to_chat as anthropic_chat
 from dflash_server.api.errors import APIError
-from dflash_server.api.openai_responses import ResponsesRequest, Stored, conversation
-from dflash_server.api.openai_responses import to_chat as responses_chat
+from dflash_server.api.openai_responses import (
+    ResponsesRequest,
+    Stored,
+    conversation,
+    prepare_response,
+)
+from dflash_server.api.openai_responses_tools import ignored_tools_header, response_tools
 from dflash_server.api.prepare import (
     Prepared,
     check_model,
@@ -64,12 +69,14 @@ def _tokenizer(request: Request) -> Any:
     return models.pair.tokenizer if models else None
 
 
-def _events(request: Request, content: Any, **kwargs: Any) -> EventSourceResponse:
+def _events(
+    request: Request, content: Any, headers: dict[str, str] | None = None, **kwargs: Any
+) -> EventSourceResponse:
     return EventSourceResponse(
         content,
         ping=_settings(request).keepalive,
         sep="\n",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}),
         **kwargs,
     )
 
@@ -109,10 +116,13 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     tokenizer = _tokenizer(request)
     if prepared.stream:
         interval = _settings(request).stream_interval
-        stream = anthropic_events.stream_messages(prepared, job, tokenizer, interval)
+        omit = body.omit_thinking
+        stream = anthropic_events.stream_messages(prepared, job, tokenizer, interval, omit)
         return _events(request, stream, ping_message_factory=anthropic_events.ping)
     return _json(
-        await anthropic_events.collect_message(prepared, job, tokenizer, request.is_disconnected)
+        await anthropic_events.collect_message(
+            prepared, job, tokenizer, request.is_disconnected, body.omit_thinking
+        )
     )
 
 
@@ -126,11 +136,14 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI Responses (see api/openai_responses.py)."""
     store = request.app.state.responses
-    so_far = conversation(store, body)
-    chat = responses_chat(body, so_far)
-    prepared = await prepare_chat(chat, _settings(request), _engine(request))
+    tools = response_tools(body.tools)
+    so_far = conversation(store, body, tools)
+    prepared, so_far = await prepare_response(
+        body, so_far, tools, _settings(request), _engine(request)
+    )
     job = _submit(request, prepared, "responses")
-    run = openai_responses_events.ResponseRun(prepared, job, _tokenizer(request), body)
+    run = openai_responses_events.ResponseRun(prepared, job, _tokenizer(request), body, tools)
+    headers = ignored_tools_header(tools)
 
     def keep() -> None:
         if body.store is not False and run.final is not None:
@@ -139,11 +152,12 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
 
     if prepared.stream:
         interval = _settings(request).stream_interval
-        return _events(request, openai_responses_events.stream_events(run, interval, keep))
+        events = openai_responses_events.stream_events(run, interval, keep)
+        return _events(request, events, headers=headers)
     if not await openai_responses_events.collect(run, request.is_disconnected):
         return Response(status_code=499)
     keep()
-    return JSONResponse(run.final)
+    return JSONResponse(run.final, headers=headers)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -166,11 +180,16 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 
 
 def _model_card(request: Request) -> dict[str, Any]:
+    models = _engine(request).models
+    context = models.summary.context_length if models is not None else None
     return {
         "id": _settings(request).model_id,
         "object": "model",
         "created": request.app.state.started,
         "owned_by": "dflash-server",
+        "context_length": context,
+        "max_model_len": context,
+        "max_input_tokens": context,
     }
 
 

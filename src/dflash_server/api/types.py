@@ -198,6 +198,11 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dflash-server"
+    # The served context, under the names clients read it by (OpenRouter/LM Studio style,
+    # vLLM's, Anthropic's): a client that knows it can compact before a request overflows.
+    context_length: int | None = None
+    max_model_len: int | None = None
+    max_input_tokens: int | None = None
 
 
 class ModelList(BaseModel):

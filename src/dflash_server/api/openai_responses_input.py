@@ -1,0 +1,138 @@
+"""Responses API ``input`` items as the chat messages they mean.
+
+Messages (any role: developer and system ones render as system text), ``function_call`` items
+(joined to the assistant turn they belong to; namespaced ones under the name the prompt gives
+them), ``function_call_output`` items as tool results, and ``reasoning`` items as the
+reasoning of the assistant turn after them. Every malformed field is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_server.api.errors import APIError
+from dflash_server.api.openai_responses_tools import ResponseTools
+
+
+def _content_text(content: Any, where: str) -> str:
+    """The text of a message's content: a string, or input_text/output_text/refusal parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise APIError(400, "content must be a string or a list of parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("refusal" if kind == "refusal" else "text") if kind else None
+        if kind not in ("input_text", "output_text", "text", "refusal") or not isinstance(
+            text, str
+        ):
+            raise APIError(
+                400,
+                f"content part type {kind!r} is not supported; only text parts are",
+                param=f"{where}.{j}",
+                code="unsupported_content",
+            )
+        texts.append(text)
+    return "".join(texts)
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """The text of a reasoning item: its ``content`` (reasoning_text parts), else its
+    ``summary`` (summary_text parts)."""
+    texts = []
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise APIError(400, f"{where}.{key} must be a list of parts", param=f"{where}.{key}")
+        for j, part in enumerate(parts):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                raise APIError(
+                    400,
+                    f"{where}.{key}.{j} must be a part with a string 'text'",
+                    param=f"{where}.{key}.{j}",
+                    code="invalid_value",
+                )
+            texts.append(part["text"])
+        if texts:
+            break
+    return "\n".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    if not isinstance(item.get(key), str):
+        raise APIError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return item[key]
+
+
+_ROLES = ("user", "assistant", "system", "developer")
+
+
+def input_messages(
+    items: str | list[dict[str, Any]], tools: ResponseTools | None = None
+) -> list[dict[str, Any]]:
+    """Chat messages for ``input``; function calls join the assistant turn they belong to
+    (namespaced ones under the name the prompt gives them)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    tools = tools or ResponseTools()
+    out: list[dict[str, Any]] = []
+    reasoning: str | None = None  # a reasoning item belongs to the assistant turn after it
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in _ROLES:
+                raise APIError(
+                    400,
+                    f"{where}.role must be one of {', '.join(_ROLES)}",
+                    param=f"{where}.role",
+                    code="invalid_value",
+                )
+            message = {
+                "role": item["role"],
+                "content": _content_text(item.get("content"), f"{where}.content"),
+            }
+            if message["role"] == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = reasoning, None
+            out.append(message)
+        elif kind == "function_call":
+            name, call_id = _string(item, "name", where), _string(item, "call_id", where)
+            namespace = item.get("namespace")
+            if namespace is not None and not isinstance(namespace, str):
+                raise APIError(
+                    400, f"{where}.namespace must be a string", param=f"{where}.namespace"
+                )
+            arguments = item.get("arguments") or "{}"
+            if not isinstance(arguments, str):
+                raise APIError(
+                    400, f"{where}.arguments must be a JSON string", param=f"{where}.arguments"
+                )
+            function = {"name": tools.flat(name, namespace), "arguments": arguments}
+            call = {"id": call_id, "type": "function", "function": function}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if reasoning:
+                    turn["reasoning_content"], reasoning = reasoning, None
+                out.append(turn)
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            output = item.get("output")
+            text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item, where)
+        else:
+            raise APIError(
+                400,
+                f"input item type {kind!r} is not supported (message, function_call, "
+                "function_call_output and reasoning are)",
+                param=where,
+                code="unsupported_content",
+            )
+    return out
