@@ -17,12 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import chat_request
 from dflash_server.api.tool_checks import check_function, check_parameters
-from dflash_server.api.types import ChatCompletionRequest, _Request
+from dflash_server.api.types import ChatCompletionRequest, _Request, extensions
 from dflash_server.generation.sampling import MAX_INT
-
-# DFlash and sampling extensions a Messages request may carry as extra fields.
-_EXTENSIONS = ("block_size", "speculative", "seed", "min_p", "repetition_penalty")
-_EXTENSIONS += ("presence_penalty", "frequency_penalty")
 
 
 class Block(BaseModel):
@@ -279,5 +275,5 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
             data["response_format"] = {"type": "json_schema", "json_schema": spec}
         data |= {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     extra = req.model_extra or {}
-    data |= {k: extra[k] for k in _EXTENSIONS if k in extra}
+    data |= {k: extra[k] for k in extensions(type(req)) if k in extra}
     return chat_request(data)

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 from sse_starlette import ServerSentEvent
 
+from dflash_server.api.answers import ChatText, dflash_stats, dumps, job_events, run_to_end
 from dflash_server.api.anthropic import sign_thinking
 from dflash_server.api.errors import APIError, anthropic_error
 from dflash_server.api.prepare import Prepared
-from dflash_server.api.responses import ChatText, dflash_stats, dumps, job_events, run_to_end
 from dflash_server.chat.tool_calls import ToolCall
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
 
@@ -128,7 +128,7 @@ class _Run:
     def __init__(self, prepared: Prepared, job: Job, tokenizer: Any, omit_thinking: bool):
         self.p, self.job = prepared, job
         self.shaper = MessageShaper(prepared, tokenizer, omit_thinking)
-        self.message = {
+        self.message: dict[str, Any] = {
             "id": f"msg_{uuid.uuid4().hex}",
             "type": "message",
             "role": "assistant",
@@ -143,7 +143,7 @@ class _Run:
         self,
         interval: float = 0.0,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """The stream's events; at the end ``self.message`` is the whole answer."""
         yield "message_start", {"type": "message_start", "message": dict(self.message)}
         yield "ping", {"type": "ping"}
@@ -184,7 +184,7 @@ class _Run:
 
 async def stream_messages(
     prepared: Prepared, job: Job, tokenizer: Any, interval: float, omit_thinking: bool = False
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncGenerator[ServerSentEvent, None]:
     """A Messages stream as server-sent events (``event:`` names and JSON data)."""
     run = _Run(prepared, job, tokenizer, omit_thinking)
     async for name, payload in run.events(interval):

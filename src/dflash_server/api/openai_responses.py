@@ -28,14 +28,16 @@ from dflash_server.api.openai_responses_input import input_messages
 from dflash_server.api.openai_responses_tools import ResponseTools, chat_tool_choice
 from dflash_server.api.prepare import Prepared, chat_request, prepare_chat
 from dflash_server.api.tool_checks import check_parameters
-from dflash_server.api.types import ChatCompletionRequest, _Request
+from dflash_server.api.types import (
+    THINKING_EXTENSIONS,
+    ChatCompletionRequest,
+    _Request,
+    extensions,
+)
 from dflash_server.engine.worker import Engine
 from dflash_server.generation.sampling import MAX_INT
 from dflash_server.settings import Settings
 
-# DFlash and sampling extensions a Responses request may carry as extra fields.
-_EXTENSIONS = ("block_size", "speculative", "seed", "top_k", "min_p", "repetition_penalty")
-_EXTENSIONS += ("presence_penalty", "frequency_penalty", "thinking_budget", "enable_thinking")
 # Fields that would change what is generated and that this server cannot honour.
 _REFUSED = ("background", "conversation", "prompt")
 
@@ -239,7 +241,7 @@ def to_chat(
         data |= {"logprobs": True, "top_logprobs": req.top_logprobs}
     if req.reasoning is not None and req.reasoning.effort is not None:
         data["reasoning_effort"] = req.reasoning.effort
-    data |= {k: extra[k] for k in _EXTENSIONS if k in extra}
+    data |= {k: extra[k] for k in extensions(type(req), *THINKING_EXTENSIONS) if k in extra}
     return chat_request(data)
 
 

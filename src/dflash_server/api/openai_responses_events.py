@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 from sse_starlette import ServerSentEvent
 
+from dflash_server.api.answers import ChatText, dflash_stats, dumps, job_events, run_to_end
 from dflash_server.api.errors import APIError
 from dflash_server.api.openai_responses import ResponsesRequest
 from dflash_server.api.openai_responses_tools import ResponseTools
 from dflash_server.api.prepare import Prepared
-from dflash_server.api.responses import ChatText, dflash_stats, dumps, job_events, run_to_end
 from dflash_server.chat.logprobs import TokenLogprob, chat_logprobs
 from dflash_server.chat.tool_calls import ToolCall
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
@@ -250,7 +250,7 @@ class ResponseRun:
         self,
         interval: float = 0.0,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         s = self.shaper
         yield s.event("response.created", response=s.response("in_progress"))
         yield s.event("response.in_progress", response=s.response("in_progress"))
@@ -276,7 +276,7 @@ class ResponseRun:
 
 async def stream_events(
     run: ResponseRun, interval: float, on_final: Callable[[], None]
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncGenerator[ServerSentEvent, None]:
     """A Responses stream as server-sent events (``event:`` names and JSON data);
     ``on_final`` runs once the response is whole (before its last event goes out)."""
     async for event in run.events(interval):

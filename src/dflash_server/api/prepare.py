@@ -14,6 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from dflash_server.api.chat_messages import (
+    merged_system,
+    template_message,
+    thinking_budget,
+    thinking_enabled,
+)
 from dflash_server.api.constraints import (
     answer_grammar,
     requested_logprobs,
@@ -21,12 +27,6 @@ from dflash_server.api.constraints import (
     with_thinking_budget,
 )
 from dflash_server.api.errors import APIError, ContextLengthError, validation_error
-from dflash_server.api.messages import (
-    merged_system,
-    template_message,
-    thinking_budget,
-    thinking_enabled,
-)
 from dflash_server.api.types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -235,6 +235,10 @@ async def prepare_completion(
     if not raw:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     if isinstance(raw, list):
+        ids = [t for t in raw if isinstance(t, int)]
+        if len(ids) != len(raw):
+            raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+        raw = ids
         vocab = engine.models.summary.vocab_size
         if vocab and any(not 0 <= t < vocab for t in raw):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")

@@ -1,4 +1,5 @@
-"""HTTP routes: parse, check auth, delegate to prepare/engine/responses. No logic lives here."""
+"""HTTP routes: parse, delegate to prepare (request -> generation), the engine (jobs) and the
+answer shapers (job events -> each protocol's answer). No logic lives here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from sse_starlette import EventSourceResponse
 from dflash_server.api import anthropic_events, openai_responses_events
 from dflash_server.api.anthropic import CountTokensRequest, MessagesRequest
 from dflash_server.api.anthropic import to_chat as anthropic_chat
+from dflash_server.api.deps import EngineDep, MetricsDep, ResponsesDep, SettingsDep
 from dflash_server.api.errors import APIError
+from dflash_server.api.openai_events import collect_response, stream_response
 from dflash_server.api.openai_responses import (
     ResponsesRequest,
     Stored,
@@ -26,29 +29,17 @@ from dflash_server.api.prepare import (
     prepare_completion,
     render_messages,
 )
-from dflash_server.api.responses import collect_response, stream_response
 from dflash_server.api.types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dflash_server.engine.jobs import EngineNotReady, Job, QueueFull
 from dflash_server.engine.worker import Engine
 from dflash_server.settings import Settings
-
-
-def _settings(request: Request) -> Settings:
-    return request.app.state.settings
-
-
-def _engine(request: Request) -> Engine:
-    return request.app.state.engine
-
 
 # The API key and the body-size limit are checked before routing, by api/guard.py.
 router = APIRouter()
 public = APIRouter()
 
 
-def _submit(request: Request, prepared: Prepared, endpoint: str) -> Job:
-    engine = _engine(request)
-    metrics = request.app.state.metrics
+def _submit(engine: Engine, metrics: MetricsDep, prepared: Prepared, endpoint: str) -> Job:
     job = Job(prepared.request) if metrics is None else metrics.job(prepared.request, endpoint)
     try:
         engine.submit(job)
@@ -64,17 +55,16 @@ def _submit(request: Request, prepared: Prepared, endpoint: str) -> Job:
     return job
 
 
-def _tokenizer(request: Request) -> Any:
-    models = _engine(request).models
-    return models.pair.tokenizer if models else None
+def _tokenizer(engine: Engine) -> Any:
+    return engine.models.pair.tokenizer if engine.models else None
 
 
 def _events(
-    request: Request, content: Any, headers: dict[str, str] | None = None, **kwargs: Any
+    settings: Settings, content: Any, headers: dict[str, str] | None = None, **kwargs: Any
 ) -> EventSourceResponse:
     return EventSourceResponse(
         content,
-        ping=_settings(request).keepalive,
+        ping=settings.keepalive,
         sep="\n",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}),
         **kwargs,
@@ -87,62 +77,92 @@ def _json(body: dict[str, Any] | None) -> Response:
     return JSONResponse(body)
 
 
-async def _respond(request: Request, prepared: Prepared, endpoint: str) -> Response:
-    job = _submit(request, prepared, endpoint)
-    tokenizer = _tokenizer(request)
+async def _respond(
+    request: Request,
+    settings: Settings,
+    engine: Engine,
+    metrics: MetricsDep,
+    prepared: Prepared,
+    endpoint: str,
+) -> Response:
+    job = _submit(engine, metrics, prepared, endpoint)
+    tokenizer = _tokenizer(engine)
     if prepared.stream:
-        interval = _settings(request).stream_interval
-        return _events(request, stream_response(prepared, job, tokenizer, interval))
+        stream = stream_response(prepared, job, tokenizer, settings.stream_interval)
+        return _events(settings, stream)
     return _json(await collect_response(prepared, job, tokenizer, request.is_disconnected))
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    prepared = await prepare_chat(body, _settings(request), _engine(request))
-    return await _respond(request, prepared, "chat")
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    settings: SettingsDep,
+    engine: EngineDep,
+    metrics: MetricsDep,
+) -> Response:
+    prepared = await prepare_chat(body, settings, engine)
+    return await _respond(request, settings, engine, metrics, prepared, "chat")
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> Response:
-    prepared = await prepare_completion(body, _settings(request), _engine(request))
-    return await _respond(request, prepared, "completions")
+async def completions(
+    body: CompletionRequest,
+    request: Request,
+    settings: SettingsDep,
+    engine: EngineDep,
+    metrics: MetricsDep,
+) -> Response:
+    prepared = await prepare_completion(body, settings, engine)
+    return await _respond(request, settings, engine, metrics, prepared, "completions")
 
 
 @router.post("/v1/messages")
-async def messages(body: MessagesRequest, request: Request) -> Response:
+async def messages(
+    body: MessagesRequest,
+    request: Request,
+    settings: SettingsDep,
+    engine: EngineDep,
+    metrics: MetricsDep,
+) -> Response:
     """Anthropic Messages (see api/anthropic.py)."""
-    prepared = await prepare_chat(anthropic_chat(body), _settings(request), _engine(request))
-    job = _submit(request, prepared, "messages")
-    tokenizer = _tokenizer(request)
+    prepared = await prepare_chat(anthropic_chat(body), settings, engine)
+    job = _submit(engine, metrics, prepared, "messages")
+    tokenizer, omit = _tokenizer(engine), body.omit_thinking
     if prepared.stream:
-        interval = _settings(request).stream_interval
-        omit = body.omit_thinking
+        interval = settings.stream_interval
         stream = anthropic_events.stream_messages(prepared, job, tokenizer, interval, omit)
-        return _events(request, stream, ping_message_factory=anthropic_events.ping)
+        return _events(settings, stream, ping_message_factory=anthropic_events.ping)
     return _json(
         await anthropic_events.collect_message(
-            prepared, job, tokenizer, request.is_disconnected, body.omit_thinking
+            prepared, job, tokenizer, request.is_disconnected, omit
         )
     )
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
-    chat = await render_messages(anthropic_chat(body), _settings(request), _engine(request))
+async def count_tokens(
+    body: CountTokensRequest, settings: SettingsDep, engine: EngineDep
+) -> dict[str, int]:
+    chat = await render_messages(anthropic_chat(body), settings, engine)
     return {"input_tokens": len(chat.prompt.tokens)}
 
 
 @router.post("/v1/responses")
-async def responses(body: ResponsesRequest, request: Request) -> Response:
+async def responses(
+    body: ResponsesRequest,
+    request: Request,
+    settings: SettingsDep,
+    engine: EngineDep,
+    metrics: MetricsDep,
+    store: ResponsesDep,
+) -> Response:
     """OpenAI Responses (see api/openai_responses.py)."""
-    store = request.app.state.responses
     tools = response_tools(body.tools)
     so_far = conversation(store, body, tools)
-    prepared, so_far = await prepare_response(
-        body, so_far, tools, _settings(request), _engine(request)
-    )
-    job = _submit(request, prepared, "responses")
-    run = openai_responses_events.ResponseRun(prepared, job, _tokenizer(request), body, tools)
+    prepared, so_far = await prepare_response(body, so_far, tools, settings, engine)
+    job = _submit(engine, metrics, prepared, "responses")
+    run = openai_responses_events.ResponseRun(prepared, job, _tokenizer(engine), body, tools)
     headers = ignored_tools_header(tools)
 
     def keep() -> None:
@@ -151,9 +171,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
             store.put(run.final["id"], Stored(run.final, [*so_far, answer]))
 
     if prepared.stream:
-        interval = _settings(request).stream_interval
-        events = openai_responses_events.stream_events(run, interval, keep)
-        return _events(request, events, headers=headers)
+        events = openai_responses_events.stream_events(run, settings.stream_interval, keep)
+        return _events(settings, events, headers=headers)
     if not await openai_responses_events.collect(run, request.is_disconnected):
         return Response(status_code=499)
     keep()
@@ -161,29 +180,31 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-    found = request.app.state.responses.get(response_id)
+async def get_response(response_id: str, store: ResponsesDep) -> dict[str, Any]:
+    found = store.get(response_id)
     if found is None:
         raise APIError(404, f"response {response_id!r} not found", param="response_id")
     return found.response
 
 
 @router.get("/v1/models", response_model=ModelList)
-async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(request)]}
+async def list_models(request: Request, settings: SettingsDep, engine: EngineDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(request, settings, engine)]}
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
-async def get_model(model_id: str, request: Request) -> dict[str, Any]:
-    check_model(model_id, _settings(request))
-    return _model_card(request)
+async def get_model(
+    model_id: str, request: Request, settings: SettingsDep, engine: EngineDep
+) -> dict[str, Any]:
+    check_model(model_id, settings)
+    return _model_card(request, settings, engine)
 
 
-def _model_card(request: Request) -> dict[str, Any]:
-    models = _engine(request).models
+def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[str, Any]:
+    models = engine.models
     context = models.summary.context_length if models is not None else None
     return {
-        "id": _settings(request).model_id,
+        "id": settings.model_id,
         "object": "model",
         "created": request.app.state.started,
         "owned_by": "dflash-server",
@@ -194,9 +215,8 @@ def _model_card(request: Request) -> dict[str, Any]:
 
 
 @public.get("/health")
-async def health(request: Request) -> JSONResponse:
+async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
     """200 when ready, 503 while loading or after a failed load; the body says which."""
-    engine, settings = _engine(request), _settings(request)
     summary = engine.models.summary.as_dict() if engine.models else {}
     body = {
         "status": engine.state,

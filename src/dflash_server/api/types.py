@@ -7,7 +7,7 @@ fields are ignored, as the OpenAI SDKs send provider-specific ones.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -49,12 +49,12 @@ class _Request(BaseModel):
 
 
 # SamplingParams' served fields, each optional (None: the server's default) with its bounds.
-_SamplingOverrides = create_model(
+_SamplingOverrides = create_model(  # type: ignore[call-overload]  # fields built at import
     "SamplingOverrides",
     __base__=_Request,
     **{
         name: (
-            SamplingParams.model_fields[name].annotation | None,
+            Optional[SamplingParams.model_fields[name].annotation],  # noqa: UP045 (runtime types)
             FieldInfo.merge_field_infos(SamplingParams.model_fields[name], default=None),
         )
         for name in SERVED_FIELDS
@@ -95,6 +95,17 @@ class SamplingFields(_SamplingOverrides):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops or None
+
+
+# What Messages and Responses requests may carry as extra fields, translated onto chat: every
+# served sampling field and the DFlash switches (a new SamplingParams field reaches all three).
+EXTENSIONS = (*SERVED_FIELDS, "seed", "block_size", "speculative", "skip_special_tokens")
+THINKING_EXTENSIONS = ("enable_thinking", "thinking_budget")  # Messages has its own thinking
+
+
+def extensions(request: type[BaseModel], *more: str) -> tuple[str, ...]:
+    """The extension fields a protocol's request model does not declare itself."""
+    return tuple(f for f in (*EXTENSIONS, *more) if f not in request.model_fields)
 
 
 class StreamOptions(BaseModel):

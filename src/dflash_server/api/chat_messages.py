@@ -56,7 +56,8 @@ def merged_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None
 
 def history_call(call: dict[str, Any], index: int) -> dict[str, Any]:
     """An assistant tool call from the history, its arguments as a mapping for the template."""
-    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    function = call.get("function")
+    fn: dict[str, Any] = function if isinstance(function, dict) else call
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:

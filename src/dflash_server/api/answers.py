@@ -1,0 +1,180 @@
+"""What the three protocols' answer shapers share: a job's events, the split of model text into
+reasoning, content and tool calls, the ``dflash`` object, and running an answer to its end.
+
+Each protocol shapes one stream of events (``openai_events.py``, ``anthropic_events.py``,
+``openai_responses_events.py``); a non-streamed answer is that stream run to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import asdict
+from typing import Any
+
+from dflash_server.api.prepare import Prepared
+from dflash_server.chat.reasoning import ReasoningSplitter, think_markers
+from dflash_server.chat.tool_calls import ToolCall, ToolCallParser
+from dflash_server.engine.jobs import Event, Finished, Job
+
+# How often a non-streaming request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.5
+
+
+def dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request went away."""
+
+
+async def run_to_end(events: AsyncGenerator[Any, None]) -> bool:
+    """Consume a non-streamed answer's events (closing them either way); False if the client
+    left on the way."""
+    try:
+        async with aclosing(events) as stream:
+            async for _ in stream:
+                pass
+    except ClientGone:
+        return False
+    return True
+
+
+async def job_events(
+    job: Job,
+    *,
+    interval: float = 0.0,
+    is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+) -> AsyncGenerator[Event, None]:
+    """A job's events in order, until its last; the job is cancelled when this ends early.
+
+    Streams (``is_disconnected`` None) wait ``interval`` after each batch to send more text
+    per event; otherwise the client is polled every DISCONNECT_POLL_S (ClientGone when it
+    left). Iterate inside ``contextlib.aclosing`` so an early stop cancels the job at once.
+    """
+    last_sent = 0.0
+    next_check = time.monotonic() + DISCONNECT_POLL_S
+    try:
+        while True:
+            if is_disconnected is None:
+                # At most one event per `interval` while tokens flow fast: each SSE event costs
+                # the event loop far more than a token of text, and 20 ms is below perception.
+                batch = await job.next_events(hold_until=last_sent + interval)
+            else:
+                batch = await job.next_events(timeout=DISCONNECT_POLL_S)
+                if time.monotonic() >= next_check:  # by the clock: events may never pause
+                    if await is_disconnected():
+                        raise ClientGone
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                if batch is None:
+                    continue
+            if not batch:
+                return
+            last_sent = time.monotonic()
+            for ev in batch:
+                yield ev
+    finally:
+        # Runs on normal end, when the client disconnects (the task is cancelled) and when the
+        # reader stops early: a still-running job stops at its next cycle and frees the worker.
+        job.cancel()
+
+
+def dflash_stats(done: Finished) -> dict[str, Any]:
+    """The ``dflash`` object of an answer: how it was generated (speculation, timings)."""
+    out: dict[str, Any] = {"speculative": done.speculative}
+    if done.stats is not None:
+        out |= done.stats.as_dict()
+    if done.speculative:
+        out.setdefault("block_size", done.block_size)
+    if done.timings is not None:
+        out |= asdict(done.timings)
+    return out
+
+
+class ChatText:
+    """Model text -> reasoning, content and tool calls, incrementally.
+
+    Tool calls are cut out first, so their markup never reaches either text field, also when
+    the model calls from inside its reasoning; the rest is split at the think markers. A call
+    left unfinished at the end is dropped (counted in ``dropped``), never shown as markup.
+    When a grammar writes the answer (``Prepared.forced``), only the answer's calls count: the
+    reasoning is split off first and stays text, whatever markup it holds.
+    """
+
+    def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
+        start, end = think_markers(tokenizer)
+        self.splitter = ReasoningSplitter(prepared.request.reasoning.opens, start, end)
+        self.tools = (
+            ToolCallParser(prepared.tools, prepared.parallel_tool_calls, end)
+            if prepared.tools
+            else None
+        )
+        self.answer_calls_only = prepared.forced
+
+    def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning, content, complete calls) that are safe to send now."""
+        if self.answer_calls_only:
+            return self._answer_calls(*self.splitter.feed(text))
+        return self._split(self.tools.feed(text) if self.tools is not None else [text])
+
+    def finish(self, reason: str) -> tuple[str, str, list[ToolCall]]:
+        """What was held back, once the output ended with finish ``reason``."""
+        cut = reason == "length"
+        if self.answer_calls_only:
+            return self._answer_calls(*self.splitter.finish(), cut=cut)
+        reasoning, content, calls = self._split(
+            self.tools.finish(cut) if self.tools is not None else []
+        )
+        r, c = self.splitter.finish()
+        return reasoning + r, content + c, calls
+
+    def _answer_calls(
+        self, reasoning: str, content: str, cut: bool | None = None
+    ) -> tuple[str, str, list[ToolCall]]:
+        """Calls out of the answer text only; ``cut`` set: the output's end."""
+        if self.tools is None:
+            return reasoning, content, []
+        pieces = self.tools.feed(content) + ([] if cut is None else self.tools.finish(cut))
+        text = "".join(p for p in pieces if isinstance(p, str))
+        return reasoning, text, [p for p in pieces if isinstance(p, ToolCall)]
+
+    def _split(self, pieces: list[str | ToolCall]) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content, calls = "", "", []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                calls.append(piece)
+                continue
+            r, c = self.splitter.feed(piece)
+            reasoning, content = reasoning + r, content + c
+        return reasoning, content, calls
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and bool(self.tools.calls)
+
+    @property
+    def dropped(self) -> int:
+        return self.tools.dropped if self.tools is not None else 0
+
+    def outcome(self, reason: str) -> str:
+        """How the answer ended, once ``finish`` ran: ``reason``, except that max_tokens cutting
+        only an extra call (or the whitespace after a call) leaves a whole answer: "stop".
+
+        The cut call is dropped (``dropped`` counts it): the calls before it are complete,
+        and an agent can run them (an incomplete answer makes agent SDKs give up).
+        """
+        tools = self.tools
+        if reason == "length" and tools is not None and tools.calls and not tools.text_after_call:
+            return "stop"
+        return reason
+
+    def finish_reason(self, reason: str) -> str:
+        reason = self.outcome(reason)
+        return "tool_calls" if self.called and reason == "stop" else reason
+
+    def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The ``dflash`` stats, saying when an unfinished call was left out."""
+        return stats | {"dropped_tool_calls": self.dropped} if self.dropped else stats
