@@ -34,7 +34,7 @@ class ContextCache:
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
     def skip(self, n: int) -> None:
         """Advance past ``n`` positions no query can see; the next append must refill the window."""
@@ -43,15 +43,17 @@ class ContextCache:
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         S, used = keys.shape[2], self.offset - self.start
-        if self.keys is not None and used + S <= self.keys.shape[2]:
-            self.keys[..., used : used + S, :] = keys
-            self.values[..., used : used + S, :] = values
+        held_k, held_v = self.keys, self.values
+        if held_k is not None and held_v is not None and used + S <= held_k.shape[2]:
+            held_k[..., used : used + S, :] = keys
+            held_v[..., used : used + S, :] = values
             self.offset += S
             return
         keep = self.size if self.max_size is None else max(0, min(self.size, self.max_size - S))
         old = slice(used - keep, used)
-        ks = [keys] if keep == 0 else [self.keys[..., old, :], keys]
-        vs = [values] if keep == 0 else [self.values[..., old, :], values]
+        ks, vs = [keys], [values]
+        if keep and held_k is not None and held_v is not None:
+            ks, vs = [held_k[..., old, :], keys], [held_v[..., old, :], values]
         k, v = mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
         if self.max_size is not None:
             k, v = k[..., -self.max_size :, :], v[..., -self.max_size :, :]
@@ -63,7 +65,7 @@ class ContextCache:
 
     def fetch(self) -> tuple[mx.array, mx.array] | None:
         """The live context K/V, oldest first (what a block at ``offset`` may attend to)."""
-        if self.keys is None or self.size == 0:
+        if self.keys is None or self.values is None or self.size == 0:
             return None
         rows = slice(self.offset - self.start - self.size, self.offset - self.start)
         return self.keys[..., rows, :], self.values[..., rows, :]
@@ -71,7 +73,9 @@ class ContextCache:
     def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
         """Own copies of the live entries plus ``offset``; ``restore`` puts them back."""
         live = self.fetch()
-        return None if live is None else (*(mx.contiguous(a) for a in live), self.offset)
+        if live is None:
+            return None
+        return mx.contiguous(live[0]), mx.contiguous(live[1]), self.offset
 
     def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
         if snapshot is None:
