@@ -27,7 +27,6 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 
+from common import PROMPT, bench_target, published_drafter, write_json
 from dflash_server import load
 from dflash_server.generation.batch import BatchDecoder, drive
 from dflash_server.generation.batch_budget import measure_pass_costs
@@ -43,11 +43,7 @@ from dflash_server.generation.controller import BlockController, SharedPrior
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import PREFILL_CHUNK, SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.target_parts import find_target_parts
-from dflash_server.testing import ReplayDrafter, build_target
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_dflash import PROMPT, random_drafter
+from dflash_server.testing import ReplayDrafter
 
 MODES = ("interleave", "batched", "mlx-batch")
 
@@ -55,13 +51,10 @@ MODES = ("interleave", "batched", "mlx-batch")
 class Setup:
     def __init__(self, args: argparse.Namespace) -> None:
         self.tmp = tempfile.TemporaryDirectory()
-        path = args.target or build_target(
-            Path(self.tmp.name) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000
-        )
+        path = args.target or bench_target(Path(self.tmp.name) / "t")
         self.model, tokenizer = load(str(path))
         self.prompt = list(tokenizer.encode(PROMPT))
-        vocab = find_target_parts(self.model).vocab_size
-        self.inner = random_drafter(self.model, block_size=16, mask_id=vocab - 1)
+        self.inner = published_drafter(self.model, block_size=16)
         self.target = TargetModel(self.model, self.inner.config.target_layer_ids)
         self.costs = measure_costs(self.model, self.inner)
         # The verify budget, as the engine measures it at load.
@@ -243,8 +236,7 @@ def main() -> None:
         for mode in ("interleave", "batched"):
             results["stall"][mode] = stall(setup, mode, args.long, args.chunk, 4)
             print(json.dumps({"stall": mode, **results["stall"][mode]}), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

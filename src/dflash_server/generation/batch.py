@@ -15,7 +15,7 @@ A request's prefill runs alone, chunk by chunk (``prefill_steps``, yielding betw
 the owner advances the batch in between); then its caches move into the batch as a new row. It
 leaves the batch when it finishes or its generator is closed (cancelled). Outputs are those of
 the request run alone: greedy token for token (on fp32, where kernels do not change with row
-count, docs/design.md), sampled rows with the same law.
+count; docs/design.md, "Batching under speculation"), sampled rows with the same law.
 """
 
 from __future__ import annotations

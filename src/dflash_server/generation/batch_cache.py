@@ -3,9 +3,9 @@
 Attention layers share one ``RowLayout``: every row writes the same columns of its K/V buffer in
 a pass (a verify block, right-padded to the widest row), and afterwards each row keeps only its
 own committed prefix of them. Rejected columns are marked invalid and never attended again (a
-mask, not zeroed keys: a zero key would still add e^0 to the softmax, docs/design.md); the next
-pass writes from the end of the longest kept prefix, so a row only leaves holes where another row
-kept more. Holes are squeezed out when they outgrow the tokens held (``compact``). Each row has
+mask, not zeroed keys: a zero key would still add e^0 to the softmax; docs/design.md,
+"Batching under speculation"); the next pass writes from the end of the longest kept prefix, so
+a row only leaves holes where another row kept more. Holes are squeezed out when they outgrow the tokens held (``compact``). Each row has
 its own RoPE position (``offset``), the number of tokens it holds.
 
 Gated DeltaNet layers keep mlx-lm's ``ArraysCache`` with one state row per request; after a
