@@ -18,39 +18,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm.generate import generate_step
-
+from common import (
+    PROMPT,
+    bench_target,
+    decode_rate,
+    mlx_lm_plain,
+    paired,
+    published_drafter,
+    write_json,
+)
 from dflash_server import load
 from dflash_server.generation.calibrate import measure_costs
 from dflash_server.generation.controller import BlockController, FixedBlock, SharedPrior
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.target_parts import find_target_parts
-from dflash_server.testing import ReplayDrafter, build_target
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_dflash import PROMPT, random_drafter
-
-
-def mlx_lm_plain(model, prompt: list[int], n: int) -> tuple[list[int], float]:
-    tokens, start = [], None
-    for i, (tok, _) in enumerate(generate_step(mx.array(prompt), model, max_tokens=n)):
-        tokens.append(tok)
-        if i == 0:
-            start = time.perf_counter()
-    return tokens, (n - 1) / (time.perf_counter() - start)
-
-
-def paired(rates: dict[str, list[float]], a: str, b: str) -> float:
-    """Median over rounds of a/b within a round (machine load drifts between rounds)."""
-    return round(statistics.median(x / y for x, y in zip(rates[a], rates[b])), 3)
+from dflash_server.testing import ReplayDrafter
 
 
 def ours(target, draft, prompt, n, mode, costs, prior) -> tuple[list[int], float, dict]:
@@ -70,11 +56,7 @@ def ours(target, draft, prompt, n, mode, costs, prior) -> tuple[list[int], float
         TokenSampler(SamplingParams(), 0),
         policy or FixedBlock(width),
     )
-    tokens, start = [], None
-    for commit in decoder.generate(prompt, n):
-        start = start or time.perf_counter()
-        tokens.extend(commit.tokens)
-    rate = (len(tokens) - 1) / (time.perf_counter() - start)
+    tokens, rate = decode_rate(decoder.generate(prompt, n))
     return tokens, rate, decoder.stats.as_dict()
 
 
@@ -89,13 +71,10 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
-    path = args.target or build_target(
-        Path(tmp.name) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000
-    )
+    path = args.target or bench_target(Path(tmp.name) / "t")
     model, tokenizer = load(str(path))
     prompt = tokenizer.encode(PROMPT)
-    vocab = find_target_parts(model).vocab_size
-    inner = random_drafter(model, block_size=16, mask_id=vocab - 1)
+    inner = published_drafter(model, block_size=16)
     target = TargetModel(model, inner.config.target_layer_ids)
     costs = measure_costs(model, inner)
     print(costs.describe(), flush=True)
@@ -144,8 +123,7 @@ def main() -> None:
         }
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

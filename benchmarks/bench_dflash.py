@@ -25,46 +25,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-from dflash_server import DFlashConfig, DFlashDraftModel, load, load_draft
+from common import PROMPT, bench_target, published_drafter, timed, write_json
+from dflash_server import load, load_draft
 from dflash_server.generation.controller import FixedBlock
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.target_parts import find_target_parts
-from dflash_server.testing import ReplayDrafter, build_target
-
-PROMPT = "def fibonacci(n: int) -> int:\n    # return the n-th Fibonacci number\n"
-
-
-def random_drafter(
-    model, layers: int = 5, block_size: int = 16, mask_id: int = 0
-) -> DFlashDraftModel:
-    """A drafter of the published shape (5 layers, taps spread over the target) for timing."""
-    parts = find_target_parts(model)
-    H, n = parts.hidden_size, parts.num_layers
-    heads = max(1, H // 64)
-    config = DFlashConfig(
-        hidden_size=H, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4), head_dim=64, intermediate_size=3 * H,
-        vocab_size=parts.vocab_size, rms_norm_eps=1e-6, rope_theta=1e7,
-        max_position_embeddings=32768, block_size=block_size, num_target_layers=n,
-        target_layer_ids=tuple(sorted({min(n - 1, round(1 + i * (n - 4) / 4)) for i in range(5)})),
-        mask_token_id=mask_id,
-    )  # fmt: skip
-    draft = DFlashDraftModel(config)
-    mx.eval(draft.parameters())
-    return draft.bind(model)
-
-
-def timed(fn, repeats: int = 7) -> float:
-    """Median of ``repeats`` runs after a warm-up (a per-call figure, like a loop's average)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from dflash_server.testing import ReplayDrafter
 
 
 def plain_tokens(model, prompt: list[int], n: int, repeats: int) -> tuple[list[int], float]:
@@ -161,13 +129,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
-    if args.target is None:
-        path = build_target(
-            Path(tmp.name) / "target", hidden_size=768, num_hidden_layers=12, vocab_size=32000
-        )
-        model, tokenizer = load(path)
-    else:
-        model, tokenizer = load(args.target)
+    model, tokenizer = load(args.target or bench_target(Path(tmp.name) / "target"))
     prompt = tokenizer.encode(PROMPT)
     parts = find_target_parts(model)
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -183,7 +145,7 @@ def main() -> None:
         draft = load_draft(args.draft, target=model)
         runs = [("real drafter", draft)]
     else:
-        inner = random_drafter(model, block_size=args.block_size, mask_id=parts.vocab_size - 1)
+        inner = published_drafter(model, block_size=args.block_size)
         runs = [
             (f"replay tau={tau}", ReplayDrafter(prompt + reference, [tau - 1], inner=inner))
             for tau in args.replay_tau
@@ -210,8 +172,7 @@ def main() -> None:
         }
         results["runs"].append(row)
         print(json.dumps(row))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

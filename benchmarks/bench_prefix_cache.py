@@ -26,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load
 
+from common import bench_target, published_drafter, write_json
 from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.pair import ModelPair
@@ -33,7 +34,7 @@ from dflash_server.generation.prefix import Checkpoint
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from dflash_server.generation.target import TargetModel
-from dflash_server.testing import build_target, mask_token_id
+from dflash_server.testing import mask_token_id
 
 SENTENCE = (
     "the model reads files runs tests and edits code while the user waits for a short answer "
@@ -111,7 +112,8 @@ def ideal(model, draft, prompt, start: int, step: int) -> float:
 
 
 def checkpoint_formula(model) -> int:
-    """FACTS §13: per Gated DeltaNet layer, recurrent state Hv*Dv*Dk fp32 plus the conv window."""
+    """Per Gated DeltaNet layer, recurrent state Hv*Dv*Dk fp32 plus the conv window
+    (docs/design.md, "Prefix cache internals")."""
     args = model.args.text_config if hasattr(model.args, "text_config") else model.args
     cfg = args if isinstance(args, dict) else vars(args)
     gdn = sum(1 for layer in model.layers if hasattr(layer, "linear_attn"))
@@ -131,14 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-step", type=int, default=512)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    from bench_dflash import random_drafter  # the published drafter shape (5 layers)
-
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_target(
-            Path(tmp) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000
-        )
+        path = bench_target(Path(tmp) / "t")
         model, tokenizer = load(str(path))
-        draft = random_drafter(model, mask_id=mask_token_id(path))
+        draft = published_drafter(model, mask_id=mask_token_id(path))
         prompts = trace(tokenizer, a.system_words, a.turns, a.turn_words)
         warm_cache = PrefixCache(1 << 34)
         rows, cold_total, warm_total = [], 0.0, 0.0
@@ -173,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "cache_entries_end": warm_cache.stats()["entries"],
         }
         print(json.dumps(summary))
-        if a.json:
-            a.json.write_text(json.dumps({"turns": rows, "summary": summary}, indent=2))
+        write_json(a.json, {"turns": rows, "summary": summary})
     return 0
 
 

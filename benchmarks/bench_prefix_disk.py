@@ -31,13 +31,14 @@ import numpy as np
 from mlx_lm import load
 
 import dflash_server.engine.prefix_disk as prefix_disk
+from common import bench_target, published_drafter, write_json
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
-from dflash_server.testing import build_target, mask_token_id
+from dflash_server.testing import mask_token_id
 
 MiB = 2**20
 
@@ -137,14 +138,10 @@ def entry(n: int, a: argparse.Namespace, spent: list[float], digest) -> dict:
 
 
 def model_end_to_end(n: int, spent: list[float]) -> dict:
-    from bench_dflash import random_drafter  # the published drafter shape (5 layers)
-
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_target(
-            Path(tmp) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000
-        )
+        path = bench_target(Path(tmp) / "t")
         model, tokenizer = load(str(path))
-        draft = random_drafter(model, mask_id=mask_token_id(path))
+        draft = published_drafter(model, mask_id=mask_token_id(path))
         tokens = tuple(int(t) for t in np.random.default_rng(1).integers(10, 300, n))
         request = GenerationRequest(tokens, 1, block=BlockPolicy(draft.config.block_size))
 
@@ -200,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     out["model"] = [] if a.no_model else [model_end_to_end(n, spent) for n in a.tokens]
     for row in out["model"]:
         print(json.dumps(row), flush=True)
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
+    write_json(a.json, out)
     return 0
 
 

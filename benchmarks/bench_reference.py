@@ -21,19 +21,15 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
+from common import PROMPT, bench_target, decode_rate, published_drafter, write_json
 from dflash_server import load, stream_generate
-from dflash_server.models.target_parts import find_target_parts
-from dflash_server.testing import ReplayDrafter, build_target
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_dflash import PROMPT, random_drafter
+from dflash_server.testing import ReplayDrafter
 
 
 def reference_module(path: Path):
@@ -76,16 +72,6 @@ def reference_drafter(ref, ours, model, replay: list[int] | None, pattern: int):
     return draft.bind(model)
 
 
-def decode_rate(responses) -> tuple[list[int], float]:
-    """Tokens and decode tokens/s (from the first token on, prefill excluded)."""
-    tokens, start = [], None
-    for r in responses:
-        if start is None:
-            start = time.perf_counter()
-        tokens.extend(r.tokens)
-    return tokens, (len(tokens) - 1) / (time.perf_counter() - start)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--reference", type=Path, required=True, help="z-lab/dflash checkout")
@@ -99,15 +85,12 @@ def main() -> None:
     ref = reference_module(args.reference)
 
     tmp = tempfile.TemporaryDirectory()
-    path = args.target or build_target(
-        Path(tmp.name) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000
-    )
+    path = args.target or bench_target(Path(tmp.name) / "t")
     ours_model, tokenizer = load(str(path))
     ref_model, _ = load(str(path))
     prompt = tokenizer.encode(PROMPT)
     reference = [t for t, _ in generate_step(mx.array(prompt), ours_model, max_tokens=args.tokens)]
-    vocab = find_target_parts(ours_model).vocab_size
-    inner = random_drafter(ours_model, block_size=args.block_size, mask_id=vocab - 1)
+    inner = published_drafter(ours_model, block_size=args.block_size)
     rows = []
     for tau in args.tau:
         replay = None if tau == 0 else prompt + reference
@@ -148,8 +131,7 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

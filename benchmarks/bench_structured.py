@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_dflash import PROMPT, random_drafter
+from common import PROMPT, bench_target, published_drafter, write_json
 from dflash_server import load
 from dflash_server.chat.structured import GrammarConstraint, response_format_grammar
 from dflash_server.generation.controller import FixedBlock
@@ -26,7 +26,7 @@ from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.target_parts import find_target_parts
-from dflash_server.testing import ReplayDrafter, build_target
+from dflash_server.testing import ReplayDrafter
 
 # Long enough to keep a random model busy for a few hundred tokens, bounded so it ends.
 SCHEMA = {
@@ -94,9 +94,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
-    path = build_target(
-        Path(tmp.name) / "target", hidden_size=768, num_hidden_layers=12, vocab_size=32000
-    )
+    path = bench_target(Path(tmp.name) / "target")
     if args.tokenizer:  # a real vocabulary: mask cost scales with it
         for f in Path(args.tokenizer).glob("tokenizer*.json"):
             (path / f.name).write_bytes(f.read_bytes())
@@ -107,8 +105,7 @@ def main() -> None:
     grammar = response_format_grammar(
         {"type": "json_schema", "json_schema": {"name": "b", "schema": SCHEMA}}
     )
-    parts = find_target_parts(model)
-    inner = random_drafter(model, block_size=args.block_size, mask_id=parts.vocab_size - 1)
+    inner = published_drafter(model, block_size=args.block_size)
     rows = []
     for label, g in (("free text", None), ("json schema", grammar)):
         reference, plain_tps, _, plain_g = decode(model, tokenizer, None, prompt, args.tokens, 1, g)
@@ -132,8 +129,7 @@ def main() -> None:
             }
         rows.append(row)
         print(json.dumps(row))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

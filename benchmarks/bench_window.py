@@ -19,27 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
+from common import PROMPT, bench_target, published_drafter, write_json
 from dflash_server import load, load_draft
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.target_parts import find_target_parts
 from dflash_server.models.window import apply_draft_window
-from dflash_server.testing import build_target
 from dflash_server.tools.common import decode
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_dflash import PROMPT, random_drafter
 
 
 def draft_cost(model, tokenizer, args) -> dict:
-    vocab = find_target_parts(model).vocab_size
-    draft = random_drafter(model, block_size=16, mask_id=vocab - 1)
+    draft = published_drafter(model, block_size=16)
     target = TargetModel(model, draft.config.target_layer_ids)
     ids = tokenizer.encode(PROMPT * (args.context // 16 + 1))[: args.context]
     start = time.perf_counter()
@@ -82,7 +76,6 @@ def draft_cost(model, tokenizer, args) -> dict:
 
 
 def acceptance(model, tokenizer, args) -> dict:
-    sys.path.insert(0, str(Path(__file__).parent))
     from distill_stdlib import prompts_from, read, stdlib_files
 
     draft = load_draft(args.draft, target=model)
@@ -112,13 +105,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
-    path = args.target or build_target(
-        Path(tmp.name) / "t", hidden_size=768, num_hidden_layers=12, vocab_size=32000
-    )
+    path = args.target or bench_target(Path(tmp.name) / "t")
     model, tokenizer = load(str(path))
     result = (acceptance if args.draft else draft_cost)(model, tokenizer, args)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

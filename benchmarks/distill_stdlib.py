@@ -12,7 +12,8 @@ Everything is offline and rebuilt from scratch (keep the recipe, not the weights
 4. On prompts from held-out files: greedy plain decoding vs DFlash with the distilled drafter,
    same outputs asserted; tau and decode tokens/s (prefill excluded) are reported.
 
-Run with OpenBLAS preloaded (FACTS §8: the mlx[cpu] wheel's reference BLAS is ~200x slower):
+Run with OpenBLAS preloaded (the mlx[cpu] wheel's reference BLAS is ~200x slower; see
+docs/development.md, "OpenBLAS on Linux"):
 
     LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 python benchmarks/distill_stdlib.py \\
         --work /tmp/distill --json /tmp/distill/result.json

@@ -195,6 +195,7 @@ def test_health(server: RunningServer) -> None:
     body = httpx.get(f"{server.base_url}/health").json()
     assert body["status"] == "ready" and body["models"] == ["tiny"]
     assert body["queue_depth"] == 0 and body["block_size"] == 8 and body["context_length"] == 96
+    assert body["batching"] == "batched" and body["active_rows"] == 0
 
 
 def test_cors(server: RunningServer) -> None:
@@ -439,7 +440,8 @@ def test_dflash_tokens_stream_extension(tiny_hybrid_path: Path, draft_path: Path
     """Opt-in per-token sources: together the raw output, drafts only where a cycle accepted."""
     import json
 
-    app = make_app(tiny_hybrid_path, draft_path, temperature=0.0)
+    # Interleaved: suffix copies run in requests cycling alone (batched rows do not copy yet).
+    app = make_app(tiny_hybrid_path, draft_path, temperature=0.0, batching="interleave")
     body = {**CHAT, "stream": True, "max_tokens": 24, "dflash_tokens": True}
     body["stream_options"] = {"include_usage": True}
     with run_server(app) as srv:

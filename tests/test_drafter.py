@@ -35,7 +35,8 @@ PUBLISHED_4B = {
 
 
 def published_keys(n_layers: int) -> list[str]:
-    """The tensor names of the published checkpoints (FACTS §2): no embedding, no lm_head."""
+    """The published checkpoints' tensor names (docs/design.md, "Drafter families"): no embedding,
+    no lm_head."""
     keys = ["fc.weight", "hidden_norm.weight", "norm.weight"]
     for i in range(n_layers):
         p = f"layers.{i}."

@@ -57,6 +57,11 @@ def test_metrics_after_real_requests(tiny_hybrid_path: Path, draft_path: Path) -
     cycles = [m[("dflash_cycles_total", (("source", s),))] for s in sources]
     committed = [m[("dflash_committed_tokens_total", (("source", s),))] for s in sources]
     assert cycles[0] > 0 and all(t >= c for t, c in zip(committed, cycles))
+    # Batched passes: one row each here (the requests ran one after another), 8 wide at most.
+    passes = m[("dflash_batch_rows_count", ())]
+    assert passes > 0 and m[("dflash_batch_rows_sum", ())] == passes
+    assert passes <= m[("dflash_batch_verify_tokens_sum", ())] <= 8 * passes
+    assert m[("dflash_active_rows", ())] == 0
     if cache is not None:  # the prefix cache's own counters
         assert m[("dflash_prefix_cache_hits_total", ())] == cache.stats()["hits"]
     assert not any(name.endswith("_created") for name, _ in m)

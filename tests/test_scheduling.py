@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -81,15 +82,17 @@ def test_waiting_requests_are_admitted_in_order(models: LoadedModels) -> None:
     assert all(isinstance(r[-1], Finished) for r in results)
 
 
-def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> None:
+@pytest.mark.parametrize("batching", ["interleave", "batched"])
+def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels, batching: str) -> None:
     """Four greedy requests (speculative, plain, two block sizes) plus a sampled one, interleaved
-    cycle by cycle, each produce exactly the tokens they produce alone."""
+    cycle by cycle or batched, each produce exactly the tokens they produce alone."""
     runs: dict[int, list[int]] = {}
+    holder: list[Engine] = []
 
     def recording(models: Any, request: Any) -> Any:
         key = request.prompt[0]  # each test prompt starts with a distinct token
         runs[key] = []
-        for response in real_generate(models, request):
+        for response in holder[0]._run_request(models, request):
             runs[key].extend(response.tokens)
             yield response
 
@@ -100,7 +103,8 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> Non
         ([8, 31, 31, 31, 2], 50, {"repetition_penalty": 1.1, "block_size": 8}),
         ([9, 1, 2], 50, {"temperature": 1.0, "seed": 3, "block_size": 8}),
     ]
-    engine = _engine(models, recording, max_active=5)
+    engine = _engine(models, recording, max_active=5, batching=batching)
+    holder.append(engine)
 
     async def main() -> tuple[list[Any], list[list[Any]]]:
         jobs = [make_job(prompt, n, **kw) for prompt, n, kw in specs]
@@ -112,6 +116,10 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels) -> Non
         jobs, results = asyncio.run(main())
     finally:
         engine.stop()
+    if batching == "batched":
+        assert max(engine.batch.histogram) >= 4 and engine.active_rows == 0
+        sizes = [results[0][-1].stats.batch_histogram, results[2][-1].stats.batch_histogram]
+        assert all(max(h) >= 4 for h in sizes), sizes  # the stats say the batches it ran in
     for job, events in zip(jobs, results):
         assert isinstance(events[-1], Finished), events[-1]
         request = job.request
@@ -143,3 +151,51 @@ def test_stop_gives_every_active_and_waiting_job_a_final_event(models: LoadedMod
         assert isinstance(events[-1], Failed) and events[-1].status == 503
         assert events[-1].code == "server_shutdown"
     assert gen.finished == 0
+
+
+@pytest.mark.parametrize("batching", ["interleave", "batched"])
+def test_long_prefill_yields_to_running_streams(models: LoadedModels, batching: str) -> None:
+    """A long prompt prefills one chunk per engine round: the running streams get tokens
+    between its chunks, and every output equals its lone run (same chunking)."""
+    order: list[tuple[int, str]] = []
+    outputs: dict[int, list[int]] = {}
+    holder: list[Engine] = []
+
+    def tagged(models: Any, request: Any) -> Any:
+        key = request.prompt[0]
+        outputs[key] = []
+        for response in holder[0]._run_request(models, request):
+            chunk = not response.tokens and response.finish_reason is None
+            order.append((key, "chunk" if chunk else "tokens"))
+            outputs[key].extend(response.tokens)
+            yield response
+
+    engine = _engine(models, tagged, max_active=3, prefill_step_size=8, batching=batching)
+    holder.append(engine)
+    jobs: list[Any] = []
+
+    async def main() -> None:
+        running = [make_job([5, 17, 40, 9], 120, block_size=4), make_job([6, 12], 120)]
+        long = make_job([7] + [(11 * i) % 50 + 3 for i in range(95)], 10, block_size=8)
+        jobs.extend([*running, long])
+        for job in running:
+            engine.submit(job)
+        for job in running:
+            await job.next_events(timeout=10)  # both are generating now
+        engine.submit(long)
+        await asyncio.gather(*(drain(job) for job in [*running, long]))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    chunks = [i for i, (key, kind) in enumerate(order) if key == 7 and kind == "chunk"]
+    assert len(chunks) == 11  # 96 tokens in chunks of 8: 11 yields, the 12th gives a token
+    for a, b in itertools.pairwise(chunks):
+        between = {key for key, kind in order[a:b] if kind == "tokens"}
+        assert between == {5, 6}, order[a:b]
+    from dflash_server.generation.stream import generate
+
+    for job in jobs:
+        lone = generate(models.pair, job.request, prefill_step_size=8)
+        assert outputs[job.request.prompt[0]] == [t for r in lone for t in r.tokens]

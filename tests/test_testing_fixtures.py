@@ -14,6 +14,7 @@ from dflash_server.testing import (
     build_target,
     build_tokenizer,
     mask_token_id,
+    random_drafter,
     tokenizer_size,
 )
 
@@ -118,6 +119,30 @@ def test_mask_token_is_free_row(tiny_hybrid: tuple[Any, Any], tiny_hybrid_path: 
     assert mask == tokenizer_size(tiny_hybrid_path) < rows
     assert rows % 64 == 0
     assert tok.convert_ids_to_tokens(mask) is None
+
+
+def test_published_shape_drafter(tmp_path: Path) -> None:
+    """Benchmarks time a random drafter of the published proportions: 5 layers, heads of 64,
+    4 query heads per KV head, MLP 3x wide, taps spread as the reference trainer picks them."""
+    import mlx_lm
+
+    from dflash_server.generation.target import TargetModel
+
+    model, _ = mlx_lm.load(str(build_target(tmp_path / "t", hidden_size=512, num_hidden_layers=12)))
+    draft = random_drafter(model, shape="published", block_size=8, mask_id=7)
+    c = draft.config
+    assert c.num_hidden_layers == 5 and c.head_dim == 64
+    assert c.num_attention_heads == 8 and c.num_key_value_heads == 2
+    assert c.intermediate_size == 3 * 512 and c.mask_token_id == 7 and c.block_size == 8
+    assert tuple(c.target_layer_ids) == (1, 3, 5, 7, 9)
+    target = TargetModel(model, c.target_layer_ids)
+    _, taps = target.forward(mx.array([[1, 2, 3]]), target.make_cache())
+    cache = draft.make_cache()
+    draft.append_context(taps, cache)
+    logits = draft(mx.array([[3] + [7] * 7]), None, cache, logits_start=1)
+    assert logits.shape[:2] == (1, 7)
+    with pytest.raises(ValueError, match="shape must be"):
+        random_drafter(model, shape="huge")
 
 
 def test_greedy_decoding_varies(loaded: tuple[Any, Any]) -> None:

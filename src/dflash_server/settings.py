@@ -179,14 +179,27 @@ class Settings(BaseSettings, _SamplingDefaults):
     max_queue: int = Field(
         512, ge=0, description="requests that may wait for an active slot (429 beyond)"
     )
-    max_active: int = Field(
-        4, ge=1, description="requests generating at once, interleaved one DFlash cycle each"
+    max_active: int | None = Field(
+        None,
+        ge=1,
+        description="requests generating at once (default: the rows a batched pass supports, "
+        "measured at load, at least 4; 4 when interleaving)",
+    )
+    batching: Literal["interleave", "batched"] = Field(
+        "batched",
+        description="batched: running requests advance in one target pass per round; "
+        "interleave: one request's cycle after another",
+    )
+    max_verify: int | None = Field(
+        None, gt=0, description="cap on positions one batched pass verifies (rows x width)"
     )
     context_length: int | None = Field(
         None, gt=0, description="cap on prompt + output tokens (default: the model's)"
     )
     prefill_step_size: int = Field(
-        2048, gt=0, description="prompt chunk size for prefill (bounds peak memory)"
+        512,
+        gt=0,
+        description="prompt chunk size for prefill: other streams advance between chunks",
     )
     prefix_cache: bool = Field(True, description="reuse earlier prompts' prefilled state")
     prefix_cache_bytes: int | None = Field(

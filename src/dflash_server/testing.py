@@ -320,23 +320,57 @@ def _tiny_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[s
     }
 
 
+def _published_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[str, Any]:
+    """Config fields of the published drafters' shape (heads of 64, 4 q-heads per kv-head, MLP
+    3x wide, taps spread over the target as the reference trainer picks them), for timing."""
+    from dflash_server.models.target_parts import find_target_parts
+    from dflash_server.models.variants import default_target_layer_ids
+
+    parts = find_target_parts(model)
+    n, H = parts.num_layers, parts.hidden_size
+    heads = max(1, H // 64)
+    taps = sorted({min(n - 1, t) for t in default_target_layer_ids(n, 5)})
+    return {
+        **_tiny_drafter_fields(model, block_size, num_layers),
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 4),
+        "head_dim": 64,
+        "intermediate_size": 3 * H,
+        "target_layer_ids": tuple(taps),
+    }
+
+
 def random_drafter(
     model: Any,
     *,
     block_size: int = 16,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     seed: int = 0,
     sliding_window: int | None = None,
+    shape: str = "tiny",
+    mask_id: int | None = None,
 ) -> DFlashDraftModel:
-    """A random-weight DFlash drafter sized to ``model`` and bound to it (accepts ~nothing);
-    with ``sliding_window`` its layers alternate sliding/full attention, sliding first."""
+    """A random-weight DFlash drafter sized to ``model`` and bound to it (accepts ~nothing).
+
+    ``shape="tiny"`` (2 layers by default, small heads) is for tests; ``"published"`` (5 layers
+    by default) has the published drafters' proportions, so benchmarks pay a realistic draft
+    cost. With ``sliding_window`` its layers alternate sliding/full attention, sliding first;
+    ``mask_id`` defaults to the last embedding row."""
     import mlx.core as mx
 
     from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
 
+    if shape not in ("tiny", "published"):
+        raise ValueError(f"random_drafter: shape must be 'tiny' or 'published', not {shape!r}")
+    num_layers = num_layers or (5 if shape == "published" else 2)
+    fields = (_published_drafter_fields if shape == "published" else _tiny_drafter_fields)(
+        model, block_size, num_layers
+    )
+    if mask_id is not None:
+        fields["mask_token_id"] = mask_id
     mx.random.seed(seed)
     config = DFlashConfig(
-        **_tiny_drafter_fields(model, block_size, num_layers),
+        **fields,
         layer_types=tuple(
             "sliding_attention" if sliding_window and i % 2 == 0 else "full_attention"
             for i in range(num_layers)
@@ -430,9 +464,14 @@ class ReplayDrafter:
         self.inner.append_context(target_hidden, cache)
 
     def __call__(self, block_ids: Any, target_hidden: Any, cache: list[Any], logits_start: int = 0):
+        real = self.inner(block_ids, target_hidden, cache, logits_start)
+        return self.planted(block_ids, cache, logits_start, real)
+
+    def planted(self, block_ids: Any, cache: list[Any], logits_start: int, real: Any):
+        """The planted logits for a block whose real ones (context already appended) are
+        ``real``; batched drafting calls this per row after one pass for all rows."""
         import mlx.core as mx
 
-        real = self.inner(block_ids, target_hidden, cache, logits_start)
         anchor = cache[0].offset  # absolute position of block position 0
         right = self.pattern[self.cycle % len(self.pattern)]
         self.cycle += 1

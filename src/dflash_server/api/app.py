@@ -75,6 +75,8 @@ def build_engine(
         max_queue=settings.max_queue,
         max_active=settings.max_active,
         prefill_step_size=settings.prefill_step_size,
+        batching=settings.batching,
+        max_verify=settings.max_verify,
         generate=generate,
         on_fatal=on_fatal,
         prefix_cache=prefix_cache,

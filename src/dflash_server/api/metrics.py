@@ -40,6 +40,7 @@ _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 _TAU = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16)
 _RATE = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
+_VERIFY = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 # Paths with a label of their own; anything else is counted as "other" (bounded cardinality).
 _ENDPOINTS = (
@@ -159,11 +160,31 @@ class Metrics:
             ["source"],
             registry=r,
         )
+        self.batch_rows = Histogram(
+            "dflash_batch_rows",
+            "requests (rows) per batched target pass",
+            buckets=_SIZES,
+            registry=r,
+        )
+        self.batch_verify = Histogram(
+            "dflash_batch_verify_tokens",
+            "positions verified per batched target pass (rows x width)",
+            buckets=_VERIFY,
+            registry=r,
+        )
+        engine.on_pass = self.observe_pass
+        rows = Gauge("dflash_active_rows", "requests running as rows of the batch", registry=r)
+        rows.set_function(lambda: engine.active_rows)
         waiting = Gauge("dflash_queue_depth", "requests waiting for an active slot", registry=r)
         waiting.set_function(lambda: max(0, engine.queue_depth - engine.active))
         active = Gauge("dflash_active_requests", "requests generating now", registry=r)
         active.set_function(lambda: engine.active)
         r.register(_PrefixCacheCollector(engine))
+
+    def observe_pass(self, rows: int, verified: int) -> None:
+        """One batched pass (called on the engine's worker thread)."""
+        self.batch_rows.observe(rows)
+        self.batch_verify.observe(verified)
 
     def job(self, request: GenerationRequest, endpoint: str) -> MeteredJob:
         return MeteredJob(request, self, endpoint)

@@ -227,6 +227,8 @@ async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
         "draft_family": summary.get("draft_family"),
         "context_length": summary.get("context_length"),
         "queue_depth": engine.queue_depth,
+        "batching": engine.batching,
+        "active_rows": engine.active_rows,
         "max_queue": engine.max_queue,
         "prefix_cache": engine.prefix_cache.stats() if engine.prefix_cache else None,
     }

@@ -1,6 +1,6 @@
 """Parse Qwen3.5's XML tool calls out of streamed model text into OpenAI ``tool_calls``.
 
-The format (FACTS §6)::
+The format (docs/design.md, "The Qwen chat format")::
 
     <tool_call>
     <function=NAME>

@@ -1,4 +1,6 @@
-"""The prefix cache: prompt snapshots of earlier requests, reused by later ones (FACTS §13).
+"""The prefix cache: prompt snapshots of earlier requests, reused by later ones.
+
+See docs/design.md, "Prefix cache internals".
 
 Agents and chat clients resend the whole conversation every turn; the next turn shares the
 previous prompt up to the start of its generation prompt (templates re-render earlier answers,

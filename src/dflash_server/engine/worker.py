@@ -1,10 +1,14 @@
 """The engine: one worker thread owns every MLX call (loading and generation).
 
 Scheduling: requests wait in a bounded FIFO; up to ``max_active`` of them generate at once, and
-the worker advances each active request by one DFlash cycle per round (round robin). Every
-request keeps its own caches inside its ``stream_generate`` generator, so interleaving changes
-no request's tokens, and a short request finishes while a long one is still running. A new
-request's prefill runs as its first step (chunked by ``prefill_step_size``).
+the worker advances each active request by one step per round (round robin): a DFlash cycle, or
+one prompt chunk (``prefill_step_size`` tokens) of a request still prefilling, so a long prompt
+never stalls the other streams for more than a chunk. Every request keeps its own caches inside
+its ``stream_generate`` generator, so interleaving changes no request's tokens, and a short
+request finishes while a long one is still running. With ``batching="batched"`` the requests
+past their prefill run as rows of one ``BatchDecoder`` instead: each round is one batched pass
+(one drafter pass for the drafting rows, one target verify for all), then every request's step
+reads its row's tokens; outputs are still those of a lone run.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
 event loop and stops at its next step.
 """
@@ -32,11 +36,15 @@ from dflash_server.engine.jobs import (
 )
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
 from dflash_server.engine.prefix_cache import PrefixCache
+from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.request import GenerationRequest
 from dflash_server.generation.stream import GenerationResponse, generate
 
 log = logging.getLogger("dflash_server")
 SHUTDOWN = "server is shutting down"
+# "interleave": each request cycles alone, one after another; "batched": all running requests
+# advance in one target pass per round (generation/batch.py).
+BATCHING = ("interleave", "batched")
 
 # One request's generation on the resident models: a response per cycle (the first: prefill).
 GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator[GenerationResponse]]
@@ -89,18 +97,27 @@ class Engine:
         loader: LoaderFn,
         *,
         max_queue: int = 8,
-        max_active: int = 1,
+        max_active: int | None = 1,
         prefill_step_size: int = 2048,
         generate: GenerateFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
         prefix_cache: PrefixCache | None = None,
+        batching: str = "batched",
+        max_verify: int | None = None,
     ) -> None:
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        self.batching, self.max_verify = batching, max_verify
+        self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
+        self.on_pass: Callable[[int, int], None] | None = None  # (rows, verified positions)
         self._loader = loader
         self.prefix_cache = prefix_cache
         self._generate = generate or self._run_request
         self._on_fatal = on_fatal
         self.max_queue = max_queue
-        self.max_active = max(1, max_active)
+        # None: decided at load (batched: the rows a pass supports, at least 4; else 4).
+        self._auto_active = max_active is None
+        self.max_active = 4 if max_active is None else max(1, max_active)
         self.prefill_step_size = prefill_step_size
         self.state = "loading"
         self.error: str | None = None
@@ -158,6 +175,11 @@ class Engine:
         with self._cond:
             return len(self._active)
 
+    @property
+    def active_rows(self) -> int:
+        """Requests running as rows of the batched pass (0 when interleaving)."""
+        return len(self.batch.rows) if self.batch is not None else 0
+
     def submit(self, job: Job) -> None:
         """Queue a job, or raise EngineNotReady / QueueFull without queueing it."""
         if self.state != "ready":
@@ -189,6 +211,12 @@ class Engine:
             log.exception("model loading failed")
             self._fail(f"model loading failed: {exc}")
             return
+        if self.batching == "batched":
+            self._make_batch()
+        if self._auto_active:
+            supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
+            self.max_active = max(4, supported)
+            log.info("max_active: %d requests at once", self.max_active)
         self.state = "ready"
         self._ready.set()
         try:
@@ -201,6 +229,17 @@ class Engine:
                 self._close(run)
             if self.prefix_cache is not None:
                 self.prefix_cache.close()
+
+    def _make_batch(self) -> None:
+        """The batch of this pair; with the cycle costs measured at load, its pass costs too."""
+        from dflash_server.generation.batch_budget import measure_pass_costs
+
+        assert self.models is not None
+        pair = self.models.pair
+        self.batch = BatchDecoder(pair.target, self.max_verify)
+        if pair.draft is not None and pair.measured is not None:
+            self.batch.costs = measure_pass_costs(pair.target, pair.draft)
+            log.info("%s", self.batch.costs.describe())
 
     def _round(self) -> bool:
         """Admit waiting jobs up to ``max_active``, then step each active one once."""
@@ -217,6 +256,13 @@ class Engine:
             if run is not None:
                 with self._cond:
                     self._active.append(run)
+        if self.batch is not None and self.batch.rows:
+            try:  # one pass for every running row; each row's step below reads its tokens
+                self.batch.step()
+            except Exception:
+                log.exception("batched pass failed")  # each of its rows ends with the error
+            if self.on_pass is not None:
+                self.on_pass(*self.batch.last_pass)
         for run in list(self._active):
             if self._stopping:
                 return False
@@ -242,6 +288,8 @@ class Engine:
             request,
             prefill_step_size=self.prefill_step_size,
             prefix=self.prefix_cache,
+            yield_chunks=True,  # a long prompt prefills between the other streams' cycles
+            batch=self.batch,
         )
 
     def _start(self, job: Job) -> _Run | None:
@@ -301,7 +349,7 @@ class Engine:
             generation_tps=round(float(last.generation_tps), 2),
             peak_memory_gb=round(float(last.peak_memory), 3),
         )
-        speculation = "plain decoding"
+        speculation = "plain decoding" + (last.stats.batches() if last.stats is not None else "")
         if (request.speculative or request.block.copies) and last.stats is not None:
             speculation = last.stats.summary()  # tau, block sizes used, plain share, estimate
         log.info(

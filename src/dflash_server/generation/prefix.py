@@ -2,9 +2,10 @@
 
 Attention KV (target and drafter) can be cut to any shorter prefix; a Gated DeltaNet layer's conv
 and recurrent state, and a sliding drafter layer's window, are valid only where they were taken
-(FACTS §13). So a snapshot holds the KV of the whole prompt plus that state at a few checkpoint
-positions, and restores at any checkpoint (at any position when nothing needs one). MLX arrays are immutable
-and caches rebind or reallocate on update, so a restored request never changes the snapshot.
+(docs/design.md, "Prefix cache internals"). So a snapshot holds the KV of the whole prompt plus
+that state at a few checkpoint positions, and restores at any checkpoint (at any position when
+nothing needs one). MLX arrays are immutable and caches rebind or reallocate on update, so a
+restored request never changes the snapshot.
 """
 
 from __future__ import annotations

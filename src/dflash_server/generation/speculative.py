@@ -13,7 +13,7 @@ pass, up to the proposer's length); the policy picks drafter, suffix or a plain 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,7 +40,7 @@ from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 
-__all__ = ["Commit", "SpeculativeDecoder", "SpeculativeStats"]
+__all__ = ["PREFILL_CHUNK", "Commit", "SpeculativeDecoder", "SpeculativeStats"]
 _FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
 
 
@@ -63,6 +63,9 @@ class Commit:
         top = None if self.top_logprobs is None else self.top_logprobs[:n]
         lps = self.logprobs and self.logprobs[:n]
         return Commit(self.tokens[:n], lps, top, finish, min(self.drafted, n), self.source)
+
+
+PREFILL_CHUNK = Commit([])  # yielded between prompt chunks: no tokens, the prefill goes on
 
 
 @dataclass
@@ -161,16 +164,26 @@ class SpeculativeDecoder:
         return None if self.logprobs is None else token_logprobs(logits, emitted, self.logprobs)
 
     def prefill(self, prompt: list[int]) -> _Cycle:
-        """Feed the prompt in chunks (after what the prefix cache restores); return the first
+        """Feed the whole prompt (see ``prefill_steps``); return the first token's cycle."""
+        steps = self.prefill_steps(prompt)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, prompt: list[int]) -> Generator[None, None, _Cycle]:
+        """Feed the prompt in chunks (after what the prefix cache restores), yielding after
+        each chunk but the last so a scheduler can run other work in between; return the first
         token as a (lazy) one-row cycle. With a prefix cache, chunks also end at the
         checkpoints, where the recurrent state is kept for later requests."""
         self._history = list(prompt)
         start, checkpoints = self._restore(prompt)
         tokens = mx.array(prompt)[None]
-        with mx.stream(generation_stream):
-            for begin, end in self._chunks(start, len(prompt)):
-                last = end == len(prompt)
-                rows = slice(-1, None) if last else None
+        for begin, end in self._chunks(start, len(prompt)):
+            last = end == len(prompt)
+            rows = slice(-1, None) if last else None
+            with mx.stream(generation_stream):
                 logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows)
                 if self.draft is not None:
                     self.draft.append_context(_tapped(taps), _ctx(self.draft_cache))
@@ -179,6 +192,9 @@ class SpeculativeDecoder:
                 if not last:  # bound peak memory: materialise this chunk before the next
                     mx.eval([c.state for c in self.cache], *self._draft_state())
                     mx.clear_cache()
+            if not last:
+                yield
+        with mx.stream(generation_stream):
             if self.prefix is not None:
                 snapshot = PromptSnapshot.take(prompt, self.cache, self.draft_cache, checkpoints)
                 mx.async_eval(snapshot.arrays())
@@ -345,23 +361,44 @@ class SpeculativeDecoder:
         return commit, mx.array([bonus], dtype=mx.int32)
 
     def generate(
-        self, prompt: list[int], max_tokens: int, eos_ids: set[int] | frozenset[int] = frozenset()
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        eos_ids: set[int] | frozenset[int] = frozenset(),
+        yield_chunks: bool = False,
     ) -> Iterator[Commit]:
         """Yield commits of tokens (the first holds the prefill's token); the only place where
         generation ends on tokens: at an EOS id or after ``max_tokens`` (see ``Commit.finish``).
+        ``yield_chunks``: also yield ``PREFILL_CHUNK`` after each prompt chunk but the last, so
+        a scheduler can advance other requests while a long prompt prefills.
         """
         if max_tokens <= 0:
             return
         try:
-            yield from self._generate(prompt, max_tokens, eos_ids)
+            yield from self._generate(prompt, max_tokens, eos_ids, yield_chunks)
         finally:  # also when the consumer stops early: the output so far joins the shared index
             if self.suffix is not None:
                 self.suffix.finish()
 
     def _generate(
-        self, prompt: list[int], max_tokens: int, eos_ids: set[int] | frozenset[int]
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        eos_ids: set[int] | frozenset[int],
+        yield_chunks: bool,
     ) -> Iterator[Commit]:
-        commit, last = self._read(self.prefill(prompt), first=True)
+        if yield_chunks:
+            steps = self.prefill_steps(prompt)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    first = done.value
+                    break
+                yield PREFILL_CHUNK
+        else:
+            first = self.prefill(prompt)
+        commit, last = self._read(first, first=True)
         produced = 0
         # Without penalties or constraints (which read the committed tokens on the host), the
         # plain step after a plain step can be queued before that step is read back. A

@@ -30,6 +30,7 @@ class SpeculativeStats:
         default_factory=lambda: {s: {"cycles": 0, "tokens": 0, "widest": 0} for s in SOURCES}
     )
     timings: dict[str, float] | None = None  # seconds per phase, only when profiling
+    batch_histogram: dict[int, int] = field(default_factory=dict)  # rows in a pass -> passes
     estimator: Callable[[], dict[str, Any] | None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,8 @@ class SpeculativeStats:
             "cached_tokens": self.cached_tokens,
             "prefill_s": round(self.prefill_s, 4),
         }
+        if self.batch_histogram:
+            out["batch_histogram"] = dict(sorted(self.batch_histogram.items()))
         estimate = self.estimator() if self.estimator is not None else None
         if estimate is not None:
             out["controller"] = estimate
@@ -91,12 +94,19 @@ class SpeculativeStats:
             out["timings"] = {k: round(v, 6) for k, v in self.timings.items()}
         return out
 
+    def batches(self) -> str:
+        """The batch sizes the request ran in (rows x passes), for the log line."""
+        if not self.batch_histogram:
+            return ""
+        sizes = ", ".join(f"{n}x{c}" for n, c in sorted(self.batch_histogram.items()))
+        return f", batch rows {sizes}"
+
     def summary(self) -> str:
         """The speculation part of the per-request log line."""
         copied = self.sources["suffix"]
         suffix = f", suffix {copied['tokens']} tokens in {copied['cycles']} cycles"
         if self.block_size <= 1:
-            return "plain decoding" + (suffix if copied["cycles"] else "")
+            return "plain decoding" + (suffix if copied["cycles"] else "") + self.batches()
         used = ", ".join(f"{b}x{n}" for b, n in enumerate(self.block_size_histogram) if n and b > 0)
         policy = "auto" if self.adaptive else "fixed"
         text = f"tau {self.tau:.2f}, blocks ({policy}) {used or '-'}, plain {self.plain_share:.0%}"
@@ -107,4 +117,4 @@ class SpeculativeStats:
                 f", controller: B={estimate['block_size']} "
                 f"E[tau]={estimate['expected_tau']:.2f} x{estimate['expected_speedup']:.2f}"
             )
-        return text
+        return text + self.batches()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,10 +26,17 @@ from dflash_server.generation.request import (
     block_policy,
 )
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
-from dflash_server.generation.speculative import SpeculativeDecoder, SpeculativeStats
+from dflash_server.generation.speculative import (
+    PREFILL_CHUNK,
+    SpeculativeDecoder,
+    SpeculativeStats,
+)
 from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 from dflash_server.generation.text import TextStream, encode, hidden_tokens
+
+if TYPE_CHECKING:
+    from dflash_server.generation.batch import BatchDecoder
 
 
 @dataclass
@@ -66,12 +74,17 @@ def generate(
     prefill_step_size: int = 2048,
     profile: bool = False,
     prefix: PrefixStore | None = None,
+    yield_chunks: bool = False,
+    batch: BatchDecoder | None = None,
 ) -> Iterator[GenerationResponse]:
     """Run one request on a loaded pair (its drafter is ignored when not speculative).
 
     ``prefix``: a prefix cache to restore the prompt's longest cached prefix from and to keep
     this prompt's state in (at ``request.checkpoints``). ``block.auto`` decides by the pair's
     cycle costs (``ModelPair.costs``: measured at load by the engine, else on first use).
+    ``yield_chunks``: yield an empty response after each prompt chunk but the last (the engine
+    advances other streams in between). ``batch``: after its prefill the request's cycles run
+    as one row of this batch (``generation/batch.py``), which its owner steps.
     """
     draft = pair.draft if request.speculative else None
     block = request.block
@@ -103,38 +116,52 @@ def generate(
     prompt = list(request.prompt)
     tic = time.perf_counter()
     prompt_tps, n = 0.0, 0
-    for i, commit in enumerate(
-        decoder.generate(prompt, request.max_tokens, tokenizer.eos_token_ids)
-    ):
-        if i == 0:
-            decoder.stats.prefill_s = time.perf_counter() - tic
-            prompt_tps = (len(prompt) - decoder.stats.cached_tokens) / decoder.stats.prefill_s
-            tic = time.perf_counter()
-        segment, kept, finish = text.feed(commit)
-        n += kept
-        kept_commit = commit.truncate(kept)
-        drafted_as = "suffix" if commit.source == SUFFIX else "draft"
-        yield GenerationResponse(
-            text=segment,
-            tokens=kept_commit.tokens,
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
-            prompt_tps=prompt_tps,
-            generation_tokens=n,
-            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            stats=decoder.stats,
-            accepted=None if i == 0 else len(commit.tokens),
-            logprobs=kept_commit.logprobs,
-            top_logprobs=kept_commit.top_logprobs,
-            stop=text.hit,
-            sources=[
-                (piece, drafted_as if j < kept_commit.drafted else "target")
-                for j, piece in enumerate(text.pieces)
-            ],
+    if batch is not None:
+        commits = batch.join(decoder, prompt, request.max_tokens, tokenizer.eos_token_ids)
+    else:
+        commits = decoder.generate(
+            prompt, request.max_tokens, tokenizer.eos_token_ids, yield_chunks
         )
-        if finish is not None:
-            return
+    i = 0  # commits so far (the first holds the prefill's token)
+    try:
+        for commit in commits:
+            if commit is PREFILL_CHUNK:  # the prefill goes on: nothing to say yet
+                yield GenerationResponse("", [], None, len(prompt), 0.0, 0, 0.0, 0.0)
+                continue
+            if i == 0:
+                decoder.stats.prefill_s = time.perf_counter() - tic
+                prompt_tps = (len(prompt) - decoder.stats.cached_tokens) / decoder.stats.prefill_s
+                tic = time.perf_counter()
+            segment, kept, finish = text.feed(commit)
+            n += kept
+            kept_commit = commit.truncate(kept)
+            drafted_as = "suffix" if commit.source == SUFFIX else "draft"
+            yield GenerationResponse(
+                text=segment,
+                tokens=kept_commit.tokens,
+                finish_reason=finish,
+                prompt_tokens=len(prompt),
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                stats=decoder.stats,
+                accepted=None if i == 0 else len(commit.tokens),
+                logprobs=kept_commit.logprobs,
+                top_logprobs=kept_commit.top_logprobs,
+                stop=text.hit,
+                sources=[
+                    (piece, drafted_as if j < kept_commit.drafted else "target")
+                    for j, piece in enumerate(text.pieces)
+                ],
+            )
+            i += 1
+            if finish is not None:
+                return
+    finally:
+        close = getattr(commits, "close", None)  # a batch row leaves its batch now
+        if close is not None:
+            close()
 
 
 def stream_generate(

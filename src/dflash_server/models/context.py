@@ -1,5 +1,7 @@
-"""A drafter layer's context K/V cache: committed positions only, never block K/V (docs/design.md,
-"The drafter")."""
+"""A drafter layer's context K/V cache: committed positions only, never block K/V.
+
+See docs/design.md, "The drafter's forward pass".
+"""
 
 from __future__ import annotations
 

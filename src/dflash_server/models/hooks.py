@@ -2,10 +2,10 @@
 
 * taps: each tapped decoder layer instance gets a subclass whose ``__call__`` also keeps its output
   (the residual stream after the layer), for the drafter's context;
-* Gated DeltaNet recording, for exact rollback after a partly accepted verify (FACTS §5): each
-  GDN layer's conv input (the conv1d instance gets a recording subclass) and its recurrence (the
-  module-level ``gated_delta_update`` that mlx-lm's layer calls is swapped only while a verify is
-  being recorded, then restored).
+* Gated DeltaNet recording, for exact rollback after a partly accepted verify (docs/design.md,
+  "Hybrid rollback"): each GDN layer's conv input (the conv1d instance gets a recording
+  subclass) and its recurrence (the module-level ``gated_delta_update`` that mlx-lm's layer
+  calls is swapped only while a verify is being recorded, then restored).
 
 mlx-lm's code and parameter trees stay untouched. ``TargetHooks.of(model)`` installs the hooks;
 ``generation.target.check_rollback`` then runs a two-token forward that must record what rollback

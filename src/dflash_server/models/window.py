@@ -1,4 +1,6 @@
-"""A bounded drafter context: a few "sink" positions plus the newest ones (FACTS §11).
+"""A bounded drafter context: a few "sink" positions plus the newest ones.
+
+See docs/design.md, "Drafter window".
 
 A DFlash drafter's full-attention layers attend to every committed position, so drafting costs
 more with every token of a long context (attention over the context K/V, and its memory). With

@@ -1,0 +1,263 @@
+"""Target caches for a batch of requests of different lengths, with per-row rollback.
+
+Attention layers share one ``RowLayout``: every row writes the same columns of its K/V buffer in
+a pass (a verify block, right-padded to the widest row), and afterwards each row keeps only its
+own committed prefix of them. Rejected columns are marked invalid and never attended again (a
+mask, not zeroed keys: a zero key would still add e^0 to the softmax; docs/design.md,
+"Batching under speculation"); the next pass writes from the end of the longest kept prefix, so
+a row only leaves holes where another row kept more. Holes are squeezed out when they outgrow the tokens held (``compact``). Each row has
+its own RoPE position (``offset``), the number of tokens it holds.
+
+Gated DeltaNet layers keep mlx-lm's ``ArraysCache`` with one state row per request; after a
+recorded verify each row's state is the one after its own kept prefix (``rollback_rows``).
+Rows join after their prefill (their caches are moved in) and leave when they finish; both copy
+the buffers once, a pass copies nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from dflash_server.models.recurrence import BlockStates
+
+
+def batchable(cache: list[Any]) -> bool:
+    """Whether a request's (prefilled) cache can join a batch: plain KV and Gated DeltaNet."""
+    return all(type(c) in (KVCache, ArraysCache) for c in cache)
+
+
+class RowLayout:
+    """Which buffer columns each row may attend to, shared by every attention layer."""
+
+    step = 256
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.idx = 0  # the next pass writes from this column (every row)
+        self.capacity = 0
+        self.valid = mx.zeros((0, 0), dtype=mx.bool_)  # [rows, capacity]
+        self.offset = mx.zeros((0,), dtype=mx.int32)  # [rows] tokens held = next RoPE position
+        self.lengths: list[int] = []  # host copy of ``offset``
+
+    def reserve(self, width: int) -> None:
+        """Make room for a pass of ``width`` columns."""
+        if self.idx + width > self.capacity:
+            grow = self.step * ((self.idx + width - self.capacity + self.step - 1) // self.step)
+            pad = mx.zeros((self.rows, grow), dtype=mx.bool_)
+            self.valid = mx.concatenate([self.valid, pad], axis=1)
+            self.capacity += grow
+
+    def make_mask(self, n: int) -> mx.array:
+        """[rows, 1, n, idx + n]: the valid past columns, then causal within the new block."""
+        past = mx.broadcast_to(self.valid[:, None, : self.idx], (self.rows, n, self.idx))
+        causal = mx.tril(mx.ones((n, n), dtype=mx.bool_))
+        block = mx.broadcast_to(causal[None], (self.rows, n, n))
+        return mx.concatenate([past, block], axis=2)[:, None]
+
+    def commit(self, keep: list[int], fed: int) -> None:
+        """A pass wrote ``fed`` columns; row i keeps its first ``keep[i]``."""
+        cols = mx.arange(self.capacity)[None]
+        kept = mx.array(keep, dtype=mx.int32)[:, None]
+        written = (cols >= self.idx) & (cols < self.idx + kept)
+        self.valid = self.valid | written
+        self.offset = self.offset + kept[:, 0]
+        self.lengths = [n + k for n, k in zip(self.lengths, keep)]
+        self.idx += max(keep)
+
+    def hole_share(self) -> float:
+        """Columns in use that no row attends to, per column in use."""
+        if not self.rows or not self.idx:
+            return 0.0
+        return 1.0 - sum(self.lengths) / (self.rows * self.idx)
+
+
+class RaggedKVCache:
+    """One attention layer's K/V for all rows (``[rows, heads, capacity, dim]``), written at the
+    layout's shared column; the mlx-lm attention layers call it like a ``KVCache``."""
+
+    def __init__(self, layout: RowLayout) -> None:
+        self.layout = layout
+        self.keys: Any = None  # mx.array once a row joined
+        self.values: Any = None
+
+    @property
+    def offset(self) -> mx.array:
+        return self.layout.offset
+
+    def _fit(self) -> None:
+        """Grow the buffers to the layout's capacity (new columns are never valid)."""
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if self.keys is not None and have < self.layout.capacity:
+            pad = [*self.keys.shape[:2], self.layout.capacity - have, self.keys.shape[3]]
+            self.keys = mx.concatenate([self.keys, mx.zeros(pad, self.keys.dtype)], axis=2)
+            pad[3] = self.values.shape[3]
+            self.values = mx.concatenate([self.values, mx.zeros(pad, self.values.dtype)], axis=2)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._fit()
+        start, n = self.layout.idx, keys.shape[2]
+        self.keys[..., start : start + n, :] = keys
+        self.values[..., start : start + n, :] = values
+        return self.keys[..., : start + n, :], self.values[..., : start + n, :]
+
+    def make_mask(self, n: int, return_array: bool = False, **_: Any) -> mx.array:
+        return self.layout.make_mask(n)
+
+    def is_trimmable(self) -> bool:
+        return False  # rows are cut by ``RowLayout.commit``, never by a uniform trim
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+class BatchCache:
+    """The target cache of a batch: a ``RaggedKVCache`` per attention layer and a batched
+    ``ArraysCache`` per Gated DeltaNet layer, in layer order (what the model is called with)."""
+
+    def __init__(self, kinds: list[type]) -> None:
+        self.layout = RowLayout()
+        self.layers: list[Any] = [
+            RaggedKVCache(self.layout) if kind is KVCache else ArraysCache(2) for kind in kinds
+        ]
+        self.linear = [c for c in self.layers if isinstance(c, ArraysCache)]
+
+    @property
+    def rows(self) -> int:
+        return self.layout.rows
+
+    def state(self) -> list[mx.array]:
+        out = [self.layout.valid, self.layout.offset]
+        for c in self.layers:
+            out += (
+                c.state if isinstance(c, RaggedKVCache) else [x for x in c.cache if x is not None]
+            )
+        return out
+
+    def add_row(self, cache: list[Any]) -> None:
+        """Move a prefilled request's cache in as the last row (its KV ends at column idx)."""
+        lay = self.layout
+        length = next((c.offset for c in cache if isinstance(c, KVCache)), 0)
+        if lay.idx < length:  # room on the left for the new row's prompt
+            self._shift(length - lay.idx)
+        lay.reserve(0)
+        cols = mx.arange(lay.capacity)
+        row_valid = (cols >= lay.idx - length) & (cols < lay.idx)
+        for mine, theirs in zip(self.layers, cache):
+            if isinstance(mine, RaggedKVCache):
+                mine._fit()
+                mine.keys, mine.values = (
+                    _append_row(mine_buf, own[..., :length, :], lay.idx, lay.capacity)
+                    for mine_buf, own in ((mine.keys, theirs.keys), (mine.values, theirs.values))
+                )
+            elif lay.rows:
+                mine.cache = [mx.concatenate([a, x]) for a, x in zip(mine.cache, theirs.cache)]
+            else:
+                mine.cache = list(theirs.cache)
+        lay.valid = mx.concatenate([lay.valid, row_valid[None]], axis=0)
+        lay.offset = mx.concatenate([lay.offset, mx.array([length], dtype=mx.int32)])
+        lay.lengths.append(length)
+        lay.rows += 1
+
+    def remove_row(self, row: int) -> None:
+        lay = self.layout
+        keep = mx.array([i for i in range(lay.rows) if i != row], dtype=mx.int32)
+        lay.rows -= 1
+        lay.lengths.pop(row)
+        if lay.rows == 0:  # an empty batch starts afresh
+            fresh = BatchCache([ArraysCache if isinstance(c, ArraysCache) else KVCache
+                                for c in self.layers])  # fmt: skip
+            self.layout, self.layers, self.linear = fresh.layout, fresh.layers, fresh.linear
+            return
+        lay.valid, lay.offset = lay.valid[keep], lay.offset[keep]
+        for c in self.layers:
+            if isinstance(c, RaggedKVCache):
+                if c.keys is not None:
+                    c.keys, c.values = c.keys[keep], c.values[keep]
+            else:
+                c.cache = [None if x is None else x[keep] for x in c.cache]
+        if lay.hole_share() > 0.5:
+            self.compact()
+
+    def _shift(self, n: int) -> None:
+        """Insert ``n`` never-valid columns on the left of every buffer."""
+        lay = self.layout
+        lay.valid = mx.concatenate([mx.zeros((lay.rows, n), dtype=mx.bool_), lay.valid], axis=1)
+        lay.capacity += n
+        lay.idx += n
+        for c in self.layers:
+            if isinstance(c, RaggedKVCache) and c.keys is not None:
+                pad = [*c.keys.shape[:2], n, c.keys.shape[3]]
+                c.keys = mx.concatenate([mx.zeros(pad, c.keys.dtype), c.keys], axis=2)
+                pad[3] = c.values.shape[3]
+                c.values = mx.concatenate([mx.zeros(pad, c.values.dtype), c.values], axis=2)
+
+    def compact(self) -> None:
+        """Squeeze the holes out: each row's valid columns, in order, right-aligned at the new
+        write column (one gather per buffer; RoPE positions are unchanged)."""
+        lay = self.layout
+        valid = np.array(lay.valid[:, : lay.idx], dtype=bool)
+        longest = max(lay.lengths)
+        index = np.zeros((lay.rows, longest), dtype=np.int32)
+        for i, row in enumerate(valid):
+            cols = np.nonzero(row)[0]
+            index[i, longest - len(cols) :] = cols
+        gather = mx.array(index)[:, None, :, None]
+        for c in self.layers:
+            if isinstance(c, RaggedKVCache) and c.keys is not None:
+                c.keys = mx.take_along_axis(c.keys, gather, axis=2)
+                c.values = mx.take_along_axis(c.values, gather, axis=2)
+        starts = mx.array([longest - n for n in lay.lengths])[:, None]
+        lay.valid = mx.arange(longest)[None] >= starts
+        lay.idx = lay.capacity = longest
+        mx.eval(self.state())
+
+
+def _append_row(batch: mx.array | None, own: mx.array, end: int, capacity: int) -> mx.array:
+    """``own`` ([1, heads, n, dim]) placed to end at column ``end`` of a new last row."""
+    n = own.shape[2]
+    left = mx.zeros((1, own.shape[1], end - n, own.shape[3]), own.dtype)
+    right = mx.zeros((1, own.shape[1], capacity - end, own.shape[3]), own.dtype)
+    row = mx.concatenate([left, own, right], axis=2)
+    return row if batch is None or batch.shape[0] == 0 else mx.concatenate([batch, row])
+
+
+def states_at_rows(states: BlockStates | list[mx.array], keep: mx.array) -> mx.array:
+    """Each row's recurrent state after its own first ``keep[i]`` (>= 1) recorded tokens."""
+    if not isinstance(states, BlockStates):
+        stacked = mx.stack(states)  # [T, B, ...]
+        return stacked[keep - 1, mx.arange(keep.shape[0])]
+    T = states.log_g.shape[-1]
+    last_index = mx.broadcast_to((keep - 1)[:, None, None], (*states.log_g.shape[:2], 1))
+    last = mx.take_along_axis(states.log_g, last_index, axis=-1)  # [B, H, 1]
+    inside = mx.arange(T)[None, None] < keep[:, None, None]
+    weight = mx.where(inside, mx.exp(last - states.log_g), 0.0)[..., None]
+    kept = (states.u * weight).swapaxes(-1, -2) @ states.k
+    return mx.exp(last)[..., None] * states.initial + kept
+
+
+def rollback_rows(hooks: Any, cache: BatchCache, recording: Any, keep: list[int], fed: int) -> None:
+    """After a recorded pass of ``fed`` positions, set each Gated DeltaNet row to the state after
+    its own first ``keep[i]`` positions (conv window re-sliced per row from the recorded input)."""
+    if not cache.linear or all(k == fed for k in keep):
+        return
+    if len(recording.updates) != len(cache.linear):
+        raise RuntimeError("batched rollback needs the recording of the last verify pass")
+    kept = mx.array(keep, dtype=mx.int32)
+    for c, gdn, (args, kwargs, states), conv_input in zip(
+        cache.linear, hooks.gdn, recording.updates, recording.conv_inputs
+    ):
+        if states is not None:
+            c[1] = states_at_rows(states, kept)
+        else:  # a fused kernel kept only the inputs: replay, each row up to its own prefix
+            q, k, v, a, b, A_log, dt_bias, state = args[:8]
+            mask = mx.arange(fed)[None] < kept[:, None]
+            options = {key: val for key, val in kwargs.items() if key != "mask"}
+            _, c[1] = hooks.replay(gdn)(q, k, v, a, b, A_log, dt_bias, state, mask, **options)
+        window = conv_input.shape[1] - fed
+        rows = (kept[:, None] + mx.arange(window)[None])[..., None]
+        c[0] = mx.take_along_axis(conv_input, rows, axis=1)

@@ -1,0 +1,325 @@
+"""Batched speculation: every row's output equals the same request run alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_server.generation.batch import BatchDecoder, drive
+from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import PREFILL_CHUNK, SpeculativeDecoder
+from dflash_server.generation.target import TargetModel
+from dflash_server.testing import ReplayDrafter, random_drafter
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "<|im_start|>user\nhi<|im_end|>\n"]
+
+
+@pytest.fixture(params=["tiny_hybrid", "tiny_attn"])
+def target(request: pytest.FixtureRequest) -> tuple[Any, Any]:
+    return request.getfixturevalue(request.param)
+
+
+def plain_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+
+
+class Scripted:
+    """A block policy that follows a fixed list of widths (then repeats the last)."""
+
+    adaptive = False
+
+    def __init__(self, widths: list[int]) -> None:
+        self.widths, self.i = widths, 0
+        self.block_size = max(widths)
+
+    def next_size(self, room: int) -> int:
+        w = self.widths[min(self.i, len(self.widths) - 1)]
+        self.i += 1
+        return max(1, min(w, room))
+
+    def observe(self, size: int, accepted: int, seconds: float | None) -> None:
+        pass
+
+    def estimate(self) -> None:
+        return None
+
+
+def make_decoder(model: Any, draft: Any, block: int, **kw: Any) -> SpeculativeDecoder:
+    taps = draft.config.target_layer_ids if draft is not None else ()
+    sampler = TokenSampler(kw.pop("sampling", SamplingParams()), kw.pop("seed", None))
+    policy = kw.pop("policy", None) or FixedBlock(block)
+    return SpeculativeDecoder(TargetModel(model, tuple(taps)), draft, sampler, policy, **kw)
+
+
+def tokens_of(commits: Any) -> list[int]:
+    return [t for c in commits if c is not PREFILL_CHUNK for t in c.tokens]
+
+
+def run_batched(model: Any, specs: dict[str, tuple], start: dict[str, int] | None = None):
+    """specs: key -> (decoder factory, prompt, max_tokens); returns key -> tokens, and the batch."""
+    inner = random_drafter(model)
+    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
+    streams = {k: batch.join(make(), prompt, n) for k, (make, prompt, n) in specs.items()}
+    out: dict[str, list[int]] = {k: [] for k in specs}
+    for key, commit in drive(batch, streams, start):
+        if commit is not PREFILL_CHUNK:
+            out[key].extend(commit.tokens)
+    return out, batch
+
+
+def test_rows_joining_and_leaving_equal_lone_runs(target: tuple[Any, Any]) -> None:
+    model, tokenizer = target
+    inner = random_drafter(model)
+    ids = [list(tokenizer.encode(p)) for p in PROMPTS]
+    long = list(tokenizer.encode(" ".join(PROMPTS) * 3))
+    refs = [plain_greedy(model, p, 60) for p in [*ids, long]]
+
+    def replay(i: int, pattern: list[int]) -> Any:
+        prompt = [*ids, long][i]
+        return ReplayDrafter(prompt + refs[i], pattern, inner)
+
+    specs = {
+        "a": (lambda: make_decoder(model, replay(0, [0, 3, 1, 2]), 4), ids[0], 40),
+        "b": (lambda: make_decoder(model, replay(1, [7, 0, 5]), 8), ids[1], 25),
+        "plain": (lambda: make_decoder(model, None, 1), ids[2], 30),
+        "long": (lambda: make_decoder(model, replay(3, [15, 2]), 16, prefill_step_size=5),
+                 long, 50),
+        "widths": (lambda: make_decoder(model, replay(0, [3, 0, 2, 1, 5]), 8,
+                   policy=Scripted([1, 1, 4, 8, 2, 1, 6, 8, 3])), ids[0], 45),
+    }  # fmt: skip
+    out, batch = run_batched(model, specs, start={"b": 3, "long": 2, "widths": 6})
+    for key, (make, prompt, n) in specs.items():
+        assert out[key] == tokens_of(make().generate(prompt, n)), key
+    assert out["a"] == refs[0][:40] and out["long"] == refs[3][:50]
+    assert batch.rows == [] and max(batch.histogram) >= 4  # rows overlapped
+
+
+def collect(model: Any, specs: dict[str, tuple], start: dict[str, int] | None = None):
+    """Like ``run_batched`` but keeps the commits (for logprobs)."""
+    inner = random_drafter(model)
+    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
+    streams = {k: batch.join(make(), prompt, n) for k, (make, prompt, n) in specs.items()}
+    out: dict[str, list[Any]] = {k: [] for k in specs}
+    for key, commit in drive(batch, streams, start):
+        if commit is not PREFILL_CHUNK:
+            out[key].append(commit)
+    return out
+
+
+def test_logprobs_penalties_and_constraints_per_row(tiny_hybrid: tuple[Any, Any]) -> None:
+    """Rows with logprobs, penalties and a grammar next to free rows: each as alone."""
+    from test_logprobs_constraints import NoMultipleOfThree
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model)
+    vocab = model.model.embed_tokens.weight.shape[0]
+    ids = [list(tokenizer.encode(p)) for p in PROMPTS]
+    penalties = SamplingParams(repetition_penalty=1.3, presence_penalty=0.7)
+    specs = {
+        "logprobs": (lambda: make_decoder(model, inner, 16, logprobs=3), ids[0], 30),
+        "penalties": (lambda: make_decoder(model, inner, 4, sampling=penalties), ids[1], 30),
+        "grammar": (lambda: make_decoder(model, inner, 8, logprobs=0,
+                    constraint=NoMultipleOfThree(vocab, ids[2][-1])), ids[2], 30),
+        "free": (lambda: make_decoder(model, None, 1, logprobs=2), ids[1], 20),
+    }  # fmt: skip
+    out = collect(model, specs, start={"grammar": 1})
+    for key, (make, prompt, n) in specs.items():
+        lone = list(make().generate(prompt, n))
+        assert tokens_of(out[key]) == tokens_of(lone), key
+        if lone[0].logprobs is None:
+            continue
+        got = [lp for c in out[key] for lp in c.logprobs]
+        want = [lp for c in lone for lp in c.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, key
+        if lone[0].top_logprobs is not None:
+            for a, b in zip(out[key], lone):
+                for x, y in zip(a.top_logprobs, b.top_logprobs):
+                    assert [i for i, _ in x] == [i for i, _ in y]
+                    assert max(abs(u - v) for (_, u), (_, v) in zip(x, y)) < 1e-4
+    tokens = tokens_of(out["grammar"])
+    assert all((a + b) % 3 for a, b in zip([ids[2][-1], *tokens], tokens))
+
+
+def test_cancelled_row_leaves_and_others_go_on(target: tuple[Any, Any]) -> None:
+    model, tokenizer = target
+    inner = random_drafter(model)
+    ids = [list(tokenizer.encode(p)) for p in PROMPTS]
+    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
+    makes = [lambda: make_decoder(model, inner, 4), lambda: make_decoder(model, inner, 8),
+             lambda: make_decoder(model, None, 1)]  # fmt: skip
+    streams = [batch.join(make(), p, 40) for make, p in zip(makes, ids)]
+    out: list[list[int]] = [[], [], []]
+    rounds = 0
+    while any(s is not None for s in streams):
+        batch.step()
+        for i, stream in enumerate(streams):
+            if stream is None:
+                continue
+            if i == 1 and rounds == 5:  # the client went away: its row leaves mid-stream
+                stream.close()
+                streams[i] = None
+                assert len(batch.rows) == 2
+                continue
+            try:
+                commit = next(stream)
+            except StopIteration:
+                streams[i] = None
+                continue
+            out[i].extend([] if commit is PREFILL_CHUNK else commit.tokens)
+        rounds += 1
+    for i in (0, 2):
+        assert out[i] == tokens_of(makes[i]().generate(ids[i], 40))
+    assert batch.rows == []
+
+
+def test_prefix_cache_hit_restores_into_a_row(tiny_hybrid: tuple[Any, Any]) -> None:
+    from dflash_server.engine.prefix_cache import PrefixCache
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model)
+    system = list(tokenizer.encode(PROMPTS[2] * 4))
+    prompts = [system + list(tokenizer.encode(p)) for p in PROMPTS[:2]]
+    cache = PrefixCache(1 << 30)
+    cut = (len(system),)
+
+    def make(prefix: Any) -> Any:
+        return lambda: make_decoder(model, inner, 8, prefix=prefix, checkpoints=cut,
+                                    prefill_step_size=16)  # fmt: skip
+
+    cold = [tokens_of(make(None)().generate(p, 30)) for p in prompts]
+    list(make(cache)().generate(prompts[0], 1))  # leaves the shared system prompt cached
+    specs = {"hit": (make(cache), prompts[1], 30), "other": (make(None), prompts[0], 30)}
+    decoders: dict[str, Any] = {}
+
+    def keep(key: str, factory: Any) -> Any:
+        def build() -> Any:
+            decoders[key] = factory()
+            return decoders[key]
+
+        return build
+
+    specs = {k: (keep(k, f), p, n) for k, (f, p, n) in specs.items()}
+    out, _ = run_batched(model, specs)
+    assert out["hit"] == cold[1] and out["other"] == cold[0]
+    assert decoders["hit"].stats.cached_tokens >= len(system)
+
+
+def test_sampled_rows_equal_their_lone_runs(tiny_hybrid: tuple[Any, Any]) -> None:
+    """A sampled row draws from its own seeded stream: batched or alone, the same tokens."""
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model)
+    ids = list(tokenizer.encode(PROMPTS[0]))
+    params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1)
+    specs = {
+        seed: (lambda s=seed: make_decoder(model, inner, 2 + s % 7, sampling=params, seed=s),
+               ids, 24)
+        for seed in range(6)
+    }  # fmt: skip
+    specs[99] = (lambda: make_decoder(model, None, 1), ids, 24)  # a greedy row alongside
+    out, _ = run_batched(model, specs)
+    for key, (make, prompt, n) in specs.items():
+        assert out[key] == tokens_of(make().generate(prompt, n)), key
+
+
+def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> None:
+    """Joint law of 3 tokens per row, rows batched 8 at a time, against the exact law."""
+    from collections import Counter
+
+    from test_sampling import total_variation, tv_tolerance
+
+    model, tokenizer = tiny_hybrid
+    prompt = list(tokenizer.encode("The quick brown"))
+    params = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
+    inner = random_drafter(model, block_size=4)
+    target = TargetModel(model, tuple(inner.config.target_layer_ids))
+
+    def law(prefix: list[int]) -> dict[int, float]:
+        sampler = TokenSampler(params)
+        logits = target.forward(
+            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
+        )[0]
+        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
+        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
+        return {i: v for i, v in enumerate(probs) if v > 0}
+
+    exact: dict[tuple[int, ...], float] = {}
+    for t0, p0 in law([]).items():
+        for t1, p1 in law([t0]).items():
+            for t2, p2 in law([t0, t1]).items():
+                exact[(t0, t1, t2)] = p0 * p1 * p2
+    best = max(exact, key=exact.get)
+    n, counts = 480, Counter()
+    for first in range(0, n, 8):
+        specs = {}
+        for seed in range(first, first + 8):
+            draft = ReplayDrafter(prompt + list(best) + [0] * 8, [3], inner)
+            width = 4 if seed % 2 else 2
+            specs[seed] = (lambda d=draft, s=seed, w=width: make_decoder(
+                model, d, w, sampling=params, seed=s), prompt, 3)  # fmt: skip
+        out, _ = run_batched(model, specs)
+        counts.update(tuple(tokens) for tokens in out.values())
+    assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)
+
+
+def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) -> None:
+    """Rows with different context lengths and widths, drafted together: each row's draft
+    distribution (log q) and drafts equal its own pass; the context caches end the same."""
+    from dflash_server.generation.batch_draft import DraftRow, propose_rows
+    from dflash_server.models.window import apply_draft_window
+
+    model, _ = tiny_hybrid
+    draft = random_drafter(model, block_size=8)
+    apply_draft_window(draft, 10, sinks=2)  # the server's sink window: rows drop context
+    features = len(draft.config.target_layer_ids) * 64
+    params = SamplingParams(temperature=0.8)
+    mask = draft.config.mask_token_id
+
+    def rows() -> list[DraftRow]:
+        out = []
+        for i, (context, width) in enumerate([(5, 8), (23, 3), (9, 6)]):
+            cache = draft.make_cache()
+            taps = mx.random.normal((1, context, features), key=mx.random.key(i))
+            draft.append_context(taps[:, :-2], cache)  # some context cached, some new
+            block = mx.array([[7 + i] + [mask] * (width - 1)])
+            out.append(DraftRow(draft, block, taps[:, -2:], cache, TokenSampler(params, i), None))
+        return out
+
+    together, apart = rows(), rows()
+    got = propose_rows(together)
+    want = [r.drafter.propose(r.block, r.context, r.cache, r.sampler, None) for r in apart]
+    for (d1, q1), (d2, q2), a, b in zip(got, want, together, apart):
+        assert d1.tolist() == d2.tolist()
+        assert mx.allclose(q1, q2, atol=1e-4).item()
+        assert [c.offset for c in a.cache] == [c.offset for c in b.cache]
+
+
+def test_verify_budget_caps_widths_where_the_batch_gains(tiny_hybrid: tuple[Any, Any]) -> None:
+    from dflash_server.generation.batch_budget import PassCosts, choose_widths
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.generation.costs import CostModel
+
+    model, _ = tiny_hybrid
+    inner = random_drafter(model)
+    one = CostModel(plain=0.01, verify={2: 0.011, 16: 0.02}, draft={2: 0.002, 16: 0.004})
+
+    def row(rate: float) -> SpeculativeDecoder:
+        policy = BlockController(16, one.copy())
+        policy.acceptance.rate = rate
+        policy.acceptance.tried = [0.0] * 15
+        return make_decoder(model, inner, 16, policy=policy)
+
+    fixed = make_decoder(model, inner, 8)
+    rows = [row(0.9), row(0.9), fixed, make_decoder(model, None, 1)]
+    wanted = [16, 12, 8, 1]
+    # Compute-bound passes: wide verifies cost rows x width, so plain rows win (the fixed row
+    # keeps its width: a fixed block is the request's own choice).
+    steep = PassCosts({1: 0.01, 4: 0.04}, {4: 0.04, 16: 0.16, 64: 0.64})
+    assert choose_widths(rows, wanted, steep) == [8, 8, 8, 1]
+    # Memory-bound passes: a wide verify costs little more than a plain one; keep the widths.
+    flat = PassCosts({1: 0.01, 4: 0.011}, {4: 0.012, 16: 0.0125, 64: 0.013})
+    assert choose_widths(rows, wanted, flat) == wanted
+    assert flat.rows_supported() == 16 and steep.rows_supported() == 1
