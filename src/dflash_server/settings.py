@@ -228,7 +228,7 @@ class Settings(BaseSettings, _SamplingDefaults):
     suffix_drafts: bool = Field(
         True,
         description="also verify tokens copied from the context and recent outputs when that "
-        "pays (block size 'auto', or no drafter)",
+        "pays (block size 'auto', or no drafter; with --batching interleave for now)",
     )
     suffix_max_tokens: int = Field(
         32, ge=1, le=256, description="most tokens one suffix copy may verify"
@@ -296,6 +296,13 @@ class Settings(BaseSettings, _SamplingDefaults):
             return cls(**cli)
         finally:
             _BASE_PRESET.reset(token)
+
+    @property
+    def suffix_tokens(self) -> int:
+        """The widest suffix copy a request may verify (0: none). Batched rows do not copy yet,
+        so copies run with batching "interleave" (docs/design.md, "Suffix drafts")."""
+        copies = self.suffix_drafts and self.batching == "interleave"
+        return self.suffix_max_tokens if copies else 0
 
     @property
     def prefix_cache_budget(self) -> int:

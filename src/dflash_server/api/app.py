@@ -50,7 +50,7 @@ def build_engine(
             target_label=settings.target,
             draft_label=settings.draft,
             draft_window=settings.draft_window,
-            suffix_tokens=settings.suffix_max_tokens if settings.suffix_drafts else 0,
+            suffix_tokens=settings.suffix_tokens,
             suffix_cache_bytes=settings.suffix_cache_bytes,
         )
         for line in describe(models.summary).splitlines():

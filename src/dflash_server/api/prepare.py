@@ -94,8 +94,8 @@ def _block_policy(req: SamplingFields, settings: Settings, draft: Drafter | None
             policy = block_policy(draft, req.block_size)
         except ValueError as exc:
             raise APIError(400, str(exc), param="block_size", code="invalid_value") from exc
-    if settings.suffix_drafts and (policy.auto or draft is None):
-        policy = replace(policy, suffix=settings.suffix_max_tokens)
+    if settings.suffix_tokens and (policy.auto or draft is None):
+        policy = replace(policy, suffix=settings.suffix_tokens)
     return policy
 
 
