@@ -32,7 +32,6 @@ from dflash_server.generation.batch_cache import BatchCache, batchable, rollback
 from dflash_server.generation.batch_draft import DraftRow, propose_rows
 from dflash_server.generation.speculative import (
     _FLUSH,
-    PREFILL_CHUNK,
     Commit,
     SpeculativeDecoder,
     _Cycle,
@@ -101,14 +100,7 @@ class BatchDecoder:
             return
         if max_tokens <= 0:
             return
-        steps = decoder.prefill_steps(prompt)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                first = done.value
-                break
-            yield PREFILL_CHUNK
+        first = yield from decoder.prefill_steps(prompt)
         commit, last = decoder._read(first, first=True)
         row, produced = _Row(decoder, last), 0
         try:

@@ -172,9 +172,9 @@ class SpeculativeDecoder:
             except StopIteration as done:
                 return done.value
 
-    def prefill_steps(self, prompt: list[int]) -> Generator[None, None, _Cycle]:
-        """Feed the prompt in chunks (after what the prefix cache restores), yielding after
-        each chunk but the last so a scheduler can run other work in between; return the first
+    def prefill_steps(self, prompt: list[int]) -> Generator[Commit, None, _Cycle]:
+        """Feed the prompt in chunks (after what the prefix cache restores), yielding
+        ``PREFILL_CHUNK`` after each chunk but the last so a scheduler can run other work in between; return the first
         token as a (lazy) one-row cycle. With a prefix cache, chunks also end at the
         checkpoints, where the recurrent state is kept for later requests."""
         self._history = list(prompt)
@@ -193,7 +193,7 @@ class SpeculativeDecoder:
                     mx.eval([c.state for c in self.cache], *self._draft_state())
                     mx.clear_cache()
             if not last:
-                yield
+                yield PREFILL_CHUNK
         with mx.stream(generation_stream):
             if self.prefix is not None:
                 snapshot = PromptSnapshot.take(prompt, self.cache, self.draft_cache, checkpoints)
@@ -388,14 +388,7 @@ class SpeculativeDecoder:
         yield_chunks: bool,
     ) -> Iterator[Commit]:
         if yield_chunks:
-            steps = self.prefill_steps(prompt)
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    first = done.value
-                    break
-                yield PREFILL_CHUNK
+            first = yield from self.prefill_steps(prompt)
         else:
             first = self.prefill(prompt)
         commit, last = self._read(first, first=True)
