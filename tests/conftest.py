@@ -41,3 +41,11 @@ def tiny_attn(tiny_attn_path: Path) -> tuple[Any, Any]:
     import mlx_lm
 
     return mlx_lm.load(str(tiny_attn_path))
+
+
+@pytest.fixture(scope="module")
+def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small drafter folder for the tiny hybrid target (one per test module)."""
+    from server_fixtures import build_draft
+
+    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)

@@ -50,6 +50,17 @@ def build_draft(path: Path, target_path: Path, *, block_size: int = 8, seed: int
     return path
 
 
+def tool_call_markup(name: str, **params: str) -> str:
+    """A Qwen3.5 XML tool call, as the model writes it (for scripted generations)."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def pieces(text: str, n: int = 4) -> list[str]:
+    """``text`` cut into ``n``-character pieces, as a stream would deliver it."""
+    return [text[i : i + n] for i in range(0, len(text), n)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,13 @@ import httpx
 import jsonschema
 import pytest
 
-from server_fixtures import ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import (
+    ScriptedGenerate,
+    make_app,
+    pieces,
+    run_server,
+    tool_call_markup,
+)
 
 WEATHER = {
     "name": "get_weather",
@@ -26,20 +32,6 @@ WEATHER = {
     },
 }
 HELLO = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def _call(name: str, **params: str) -> str:
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def _pieces(text: str, n: int = 4) -> list[str]:
-    return [text[i : i + n] for i in range(0, len(text), n)]
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +49,7 @@ def scripted(
 
 def test_thinking_and_text_blocks(scripted: tuple[Any, ScriptedGenerate, str]) -> None:
     client, script, _ = scripted
-    script.pieces = _pieces("Let me think.</think>\n\nIt is sunny.")
+    script.pieces = pieces("Let me think.</think>\n\nIt is sunny.")
     m = client.messages.create(model="tiny", max_tokens=100, messages=HELLO)
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking == "Let me think." and m.content[1].text == "It is sunny."
@@ -92,8 +84,8 @@ def test_tool_use_round_trip(
     scripted: tuple[Any, ScriptedGenerate, str], tiny_hybrid: tuple[Any, Any]
 ) -> None:
     client, script, _ = scripted
-    script.pieces = _pieces(
-        "</think>\n\nChecking.\n" + _call("get_weather", city="Paris", days="2")
+    script.pieces = pieces(
+        "</think>\n\nChecking.\n" + tool_call_markup("get_weather", city="Paris", days="2")
     )
     m = client.messages.create(model="tiny", max_tokens=200, messages=HELLO, tools=[WEATHER])
     assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"]
@@ -127,7 +119,7 @@ def test_tool_use_round_trip(
 
 def test_stop_sequences_and_max_tokens(scripted: tuple[Any, ScriptedGenerate, str]) -> None:
     client, script, _ = scripted
-    script.pieces = _pieces("</think>\n\nOne, two, STOP three and more and more", 3)
+    script.pieces = pieces("</think>\n\nOne, two, STOP three and more and more", 3)
     script.delay, finished = 0.03, script.finished
     kw = {"model": "tiny", "max_tokens": 100, "messages": HELLO, "stop_sequences": ["STOP", "x"]}
     m = client.messages.create(**kw)

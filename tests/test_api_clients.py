@@ -17,7 +17,14 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import RunningServer, ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import (
+    RunningServer,
+    ScriptedGenerate,
+    make_app,
+    pieces,
+    run_server,
+    tool_call_markup,
+)
 
 CONTEXT = 1024
 LONG = " ".join(["lorem"] * 3000)  # well over CONTEXT tokens
@@ -46,20 +53,6 @@ SHELL = {
     "name": "shell",
     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
 }
-
-
-def _call(name: str, **params: str) -> str:
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def _pieces(text: str, n: int = 4) -> list[str]:
-    return [text[i : i + n] for i in range(0, len(text), n)]
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +97,9 @@ def test_namespace_tools_are_flattened_and_calls_mapped_back(
     served: tuple[RunningServer, ScriptedGenerate], oai: openai.OpenAI, tiny_hybrid: Any
 ) -> None:
     script = served[1]
-    script.pieces = _pieces("</think>\n\n" + _call("multi_agent_v1__spawn_agent", task="lint"))
+    script.pieces = pieces(
+        "</think>\n\n" + tool_call_markup("multi_agent_v1__spawn_agent", task="lint")
+    )
     tools = [SHELL, NAMESPACE, WEB_SEARCH]
     raw = oai.responses.with_raw_response.create(model="tiny", input="Go", tools=tools)
     assert raw.headers["x-dflash-ignored-tools"] == "web_search"
@@ -265,7 +260,7 @@ def test_system_messages_mid_conversation(
 def test_omitted_thinking_has_no_text(
     served: tuple[RunningServer, ScriptedGenerate], claude: anthropic.Anthropic, tiny_hybrid: Any
 ) -> None:
-    served[1].pieces = _pieces("Secret plan.</think>\n\nDone.")
+    served[1].pieces = pieces("Secret plan.</think>\n\nDone.")
     kw: dict[str, Any] = {
         "model": "tiny",
         "max_tokens": 50,

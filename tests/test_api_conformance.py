@@ -19,7 +19,13 @@ import pytest
 import referencing
 import referencing.jsonschema
 
-from server_fixtures import RunningServer, ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import (
+    RunningServer,
+    ScriptedGenerate,
+    make_app,
+    run_server,
+    tool_call_markup,
+)
 
 SPEC = json.loads((Path(__file__).parent / "openapi" / "openai_subset.json").read_text())
 _REGISTRY = referencing.Registry().with_resource(
@@ -62,16 +68,6 @@ def _sse(r: httpx.Response) -> list[dict[str, Any]]:
     data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
-
-
-def _call(name: str, **params: str) -> str:
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +131,12 @@ def test_models_and_errors_conform(server: RunningServer) -> None:
 
 def test_tool_calls_conform(scripted: tuple[str, ScriptedGenerate]) -> None:
     url, script = scripted
-    script.pieces = ["</think>\n\n", _call("search", q="a"), "\n", _call("search", q="b")]
+    script.pieces = [
+        "</think>\n\n",
+        tool_call_markup("search", q="a"),
+        "\n",
+        tool_call_markup("search", q="b"),
+    ]
     body = {**CHAT, "tools": TOOLS, "max_tokens": 50}
     r = httpx.post(f"{url}/v1/chat/completions", json=body).json()
     conforms("CreateChatCompletionResponse", r)
@@ -222,7 +223,7 @@ def test_call_cut_by_max_tokens_is_dropped(
     """A complete call, then another that max_tokens cuts: the partial markup never shows,
     and the cut call is dropped from a whole answer (finish_reason tool_calls, not length)."""
     url, script = scripted
-    first, second = _call("search", q="a"), _call("search", q="b")
+    first, second = tool_call_markup("search", q="a"), tool_call_markup("search", q="b")
     script.pieces = ["</think>\n\n", first, "\n", *second[:30]]  # 30 pieces of 1 character
     body = {**CHAT, "tools": TOOLS, "max_tokens": len(script.pieces) - 5, "tool_choice": forced}
     whole, content, calls, finish = _chat(url, body)
@@ -235,7 +236,7 @@ def test_call_cut_by_max_tokens_is_dropped(
 
 def test_only_call_cut_leaves_no_markup(scripted: tuple[str, ScriptedGenerate]) -> None:
     url, script = scripted
-    script.pieces = ["</think>\n\n", *_call("search", q="abc")]
+    script.pieces = ["</think>\n\n", *tool_call_markup("search", q="abc")]
     body = {**CHAT, "tools": TOOLS, "max_tokens": 20, "tool_choice": "required"}
     whole, content, calls, finish = _chat(url, body)
     message = whole["choices"][0]["message"]

@@ -16,18 +16,12 @@ import pytest
 from server_fixtures import (
     RunningServer,
     ScriptedGenerate,
-    build_draft,
     make_app,
     real_generate,
     run_server,
 )
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,12 @@ import pytest
 
 from dflash_server import load_draft, stream_generate
 from dflash_server.chat.reasoning import split_reasoning
-from server_fixtures import RunningServer, build_draft, make_app, run_server
+from server_fixtures import RunningServer, make_app, run_server
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "What is the capital of France?"},
 ]
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")

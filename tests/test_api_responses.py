@@ -14,7 +14,13 @@ import jsonschema
 import openai
 import pytest
 
-from server_fixtures import ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import (
+    ScriptedGenerate,
+    make_app,
+    pieces,
+    run_server,
+    tool_call_markup,
+)
 
 TOOLS = [
     {
@@ -27,20 +33,6 @@ TOOLS = [
         },
     }
 ]
-
-
-def _call(name: str, **params: str) -> str:
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def _pieces(text: str, n: int = 4) -> list[str]:
-    return [text[i : i + n] for i in range(0, len(text), n)]
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +49,7 @@ def scripted(
 
 def test_reasoning_and_message_items(scripted: tuple[openai.OpenAI, ScriptedGenerate]) -> None:
     client, script = scripted
-    script.pieces = _pieces("Thinking it over.</think>\n\nHello there.")
+    script.pieces = pieces("Thinking it over.</think>\n\nHello there.")
     r = client.responses.create(model="tiny", input="Hi", instructions="Be kind.")
     assert r.status == "completed" and r.object == "response" and r.instructions == "Be kind."
     assert [i.type for i in r.output] == ["reasoning", "message"]
@@ -87,7 +79,9 @@ def test_function_call_round_trip(
     scripted: tuple[openai.OpenAI, ScriptedGenerate], tiny_hybrid: tuple[Any, Any]
 ) -> None:
     client, script = scripted
-    script.pieces = _pieces("Need data.</think>\n\n" + _call("get_weather", city="Rome", days="2"))
+    script.pieces = pieces(
+        "Need data.</think>\n\n" + tool_call_markup("get_weather", city="Rome", days="2")
+    )
     r = client.responses.create(model="tiny", input="Weather in Rome?", tools=TOOLS)
     (reasoning, call) = r.output
     assert call.type == "function_call" and call.name == "get_weather"

@@ -12,7 +12,13 @@ import mlx_lm
 import openai
 import pytest
 
-from server_fixtures import RunningServer, ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import (
+    RunningServer,
+    ScriptedGenerate,
+    make_app,
+    run_server,
+    tool_call_markup,
+)
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -38,27 +44,17 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris and Rome?"}]
 MARKUP = ("<tool_call>", "</tool_call>", "<function", "<parameter", "</think>")
 
 
-def _call(name: str, **params: str) -> str:
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
 # Reasoning, then two calls; cut into 5-character pieces so every tag is split somewhere.
 SCRIPT = (
     "I need the weather for two cities.</think>\n\n"
-    + _call("get_weather", city="Paris", days="3", hourly="true")
+    + tool_call_markup("get_weather", city="Paris", days="3", hourly="true")
     + "\n"
-    + _call("get_weather", city="Rome", unit="C", days="1")
+    + tool_call_markup("get_weather", city="Rome", unit="C", days="1")
 )
 
 
 def _pieces(text: str, n: int = 5) -> list[str]:
     return [text[i : i + n] for i in range(0, len(text), n)]
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +120,7 @@ def test_reasoning_then_two_calls_streamed(scripted: tuple[Any, ScriptedGenerate
 def test_calls_not_streamed(scripted: tuple[Any, ScriptedGenerate], size: int) -> None:
     client, script = scripted
     script.pieces = _pieces(
-        "Checking." + "</think>\n\nSure.\n" + _call("search", q="a <b> c"), size
+        "Checking." + "</think>\n\nSure.\n" + tool_call_markup("search", q="a <b> c"), size
     )
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS)
     message = r.choices[0].message
@@ -143,9 +139,9 @@ def test_malformed_call_comes_back_as_text(scripted: tuple[Any, ScriptedGenerate
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content == bad
     # Without tools in the request, the same text is just text (nothing is parsed).
-    script.pieces = _pieces("</think>\n\n" + _call("search", q="x"))
+    script.pieces = _pieces("</think>\n\n" + tool_call_markup("search", q="x"))
     r = client.chat.completions.create(model="tiny", messages=MESSAGES)
-    assert r.choices[0].message.content == _call("search", q="x")
+    assert r.choices[0].message.content == tool_call_markup("search", q="x")
 
 
 def test_parallel_tool_calls_false(scripted: tuple[Any, ScriptedGenerate]) -> None:

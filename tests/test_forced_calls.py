@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_fixtures import ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import ScriptedGenerate, make_app, run_server
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
@@ -27,11 +27,6 @@ QUESTION = "What is the weather in Paris?"
 MARKUP = ("<tool_call>", "</tool_call>", "<function", "<parameter", "</think>")
 CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 SEEDS = range(20)
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_fixtures import ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import ScriptedGenerate, make_app, run_server
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10}
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -13,15 +13,10 @@ import pytest
 
 from dflash_server.cli import build_parser
 from dflash_server.settings import Settings
-from server_fixtures import RunningServer, build_draft, make_app, run_server
+from server_fixtures import RunningServer, make_app, run_server
 
 KEY = "s3cret-key"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 @pytest.fixture(scope="module")

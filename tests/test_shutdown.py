@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import build_draft, free_port
+from server_fixtures import free_port
 
 # The real CLI, with generation slowed (50 ms per cycle) so requests are still running at the signal.
 LAUNCH = """
@@ -32,11 +32,6 @@ stream.generate = slow
 from dflash_server.cli import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-@pytest.fixture(scope="module")
-def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
 def _stream(base: str, body: dict[str, Any], out: list[Any], started: threading.Event) -> None:

@@ -174,9 +174,10 @@ class SpeculativeDecoder:
 
     def prefill_steps(self, prompt: list[int]) -> Generator[Commit, None, _Cycle]:
         """Feed the prompt in chunks (after what the prefix cache restores), yielding
-        ``PREFILL_CHUNK`` after each chunk but the last so a scheduler can run other work in between; return the first
-        token as a (lazy) one-row cycle. With a prefix cache, chunks also end at the
-        checkpoints, where the recurrent state is kept for later requests."""
+        ``PREFILL_CHUNK`` after each chunk but the last so a scheduler can run other work in
+        between; return the first token as a (lazy) one-row cycle. With a prefix cache,
+        chunks also end at the checkpoints, where the recurrent state is kept for later
+        requests."""
         self._history = list(prompt)
         start, checkpoints = self._restore(prompt)
         tokens = mx.array(prompt)[None]
