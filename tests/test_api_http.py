@@ -430,12 +430,14 @@ def _reachable(base: str) -> bool:
         return False
 
 
-def test_dflash_tokens_stream_extension(tiny_hybrid_path: Path, draft_path: Path) -> None:
+@pytest.mark.parametrize("batching", ["batched", "interleave"])
+def test_dflash_tokens_stream_extension(
+    tiny_hybrid_path: Path, draft_path: Path, batching: str
+) -> None:
     """Opt-in per-token sources: together the raw output, drafts only where a cycle accepted."""
     import json
 
-    # Interleaved: suffix copies run in requests cycling alone (batched rows do not copy yet).
-    app = make_app(tiny_hybrid_path, draft_path, temperature=0.0, batching="interleave")
+    app = make_app(tiny_hybrid_path, draft_path, temperature=0.0, batching=batching)
     body = {**CHAT, "stream": True, "max_tokens": 24, "dflash_tokens": True}
     body["stream_options"] = {"include_usage": True}
     with run_server(app) as srv:

@@ -299,7 +299,7 @@ def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) ->
 
 def test_verify_budget_caps_widths_where_the_batch_gains(tiny_hybrid: tuple[Any, Any]) -> None:
     from dflash_server.generation.batch_budget import PassCosts, choose_widths
-    from dflash_server.generation.controller import BlockController
+    from dflash_server.generation.controller import BlockController, Choice
     from dflash_server.generation.costs import CostModel
 
     model, _ = tiny_hybrid
@@ -315,11 +315,12 @@ def test_verify_budget_caps_widths_where_the_batch_gains(tiny_hybrid: tuple[Any,
     fixed = make_decoder(model, inner, 8)
     rows = [row(0.9), row(0.9), fixed, make_decoder(model, None, 1)]
     wanted = [16, 12, 8, 1]
+    choices = [Choice.width(w) for w in wanted]
     # Compute-bound passes: wide verifies cost rows x width, so plain rows win (the fixed row
     # keeps its width: a fixed block is the request's own choice).
     steep = PassCosts({1: 0.01, 4: 0.04}, {4: 0.04, 16: 0.16, 64: 0.64})
-    assert choose_widths(rows, wanted, steep) == [8, 8, 8, 1]
+    assert choose_widths(rows, choices, steep) == [8, 8, 8, 1]
     # Memory-bound passes: a wide verify costs little more than a plain one; keep the widths.
     flat = PassCosts({1: 0.01, 4: 0.011}, {4: 0.012, 16: 0.0125, 64: 0.013})
-    assert choose_widths(rows, wanted, flat) == wanted
+    assert choose_widths(rows, choices, flat) == wanted
     assert flat.rows_supported() == 16 and steep.rows_supported() == 1

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_server.chat.budget import Budgeted
-from dflash_server.generation.controller import BlockController
+from dflash_server.generation.controller import BlockController, FixedBlock
 from dflash_server.generation.costs import CostModel
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
@@ -163,15 +163,15 @@ def test_point_mass_acceptance_reproduces_the_target_distribution():
         assert total_variation(counts, want, n) < tv_tolerance(4, n)
 
 
-def test_sampled_copies_follow_the_target_law(tiny_hybrid: Any) -> None:
-    """Joint law of the first 3 tokens when every cycle verifies a copy of the likeliest path."""
-    model, tokenizer = tiny_hybrid
-    prompt = tokenizer.encode("The quick brown")
-    params = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
+LAW_PARAMS = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
+
+
+def three_token_law(model: Any, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """The exact joint law of the first 3 sampled tokens under ``LAW_PARAMS``."""
     target = TargetModel(model, ())
 
     def law(prefix: list[int]) -> dict[int, float]:
-        sampler = TokenSampler(params)
+        sampler = TokenSampler(LAW_PARAMS)
         logits = target.forward(
             mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
         )[0]
@@ -184,14 +184,28 @@ def test_sampled_copies_follow_the_target_law(tiny_hybrid: Any) -> None:
         for t1, p1 in law([t0]).items():
             for t2, p2 in law([t0, t1]).items():
                 exact[(t0, t1, t2)] = p0 * p1 * p2
+    return exact
+
+
+def likeliest_copies(prompt: list[int], exact: dict[tuple[int, ...], float]) -> SharedSuffixIndex:
+    """An index that, whichever first token comes, proposes the likeliest rest after it."""
     best = max(exact, key=exact.__getitem__)
     shared = SharedSuffixIndex(1 << 20)
-    for t0 in law([]):  # whichever t0 comes first, a copy of the likeliest rest follows it
+    for t0 in {k[0] for k in exact}:
         shared.add([prompt[-1], t0, *best[1:], 0])
+    return shared
+
+
+def test_sampled_copies_follow_the_target_law(tiny_hybrid: Any) -> None:
+    """Joint law of the first 3 tokens when every cycle verifies a copy of the likeliest path."""
+    model, tokenizer = tiny_hybrid
+    prompt = tokenizer.encode("The quick brown")
+    exact = three_token_law(model, prompt)
+    shared = likeliest_copies(prompt, exact)
     n, counts = 600, Counter()
     copied = 0
     for seed in range(n):
-        tokens, stats = copy_decode(model, prompt, 3, shared=shared, params=params, seed=seed)
+        tokens, stats = copy_decode(model, prompt, 3, shared=shared, params=LAW_PARAMS, seed=seed)
         counts[tuple(tokens)] += 1
         copied += stats.sources["suffix"]["cycles"]
     assert copied > n // 2  # most runs verified a copy
@@ -228,3 +242,116 @@ def test_copies_are_exact_under_a_thinking_budget(tiny_hybrid: Any, with_drafter
     assert tokens == reference
     assert stats.sources["suffix"]["tokens"] > 10
     assert max(pair.costs().verify) >= 33  # measured up to the widest copy
+
+
+# -- inside a batched pass -----------------------------------------------------------------------
+
+
+def copy_decoder(
+    model: Any,
+    ids: list[int],
+    draft: Any = None,
+    shared: SharedSuffixIndex | None = None,
+    **kw: Any,
+) -> SpeculativeDecoder:
+    """A decoder as ``copy_decode`` builds it (the "auto" controller with suffix drafts)."""
+    target = TargetModel(model, draft.config.target_layer_ids if draft is not None else ())
+    sampler = TokenSampler(kw.pop("params", None) or SamplingParams(), kw.pop("seed", None))
+    policy = BlockController(16 if draft is not None else 1, cheap_verify())
+    suffix = SuffixProposer(ids, shared, max_tokens=48)
+    return SpeculativeDecoder(target, draft, sampler, policy, suffix=suffix, **kw)
+
+
+def batched(model: Any, specs: dict[str, tuple], max_verify: int | None = None) -> tuple:
+    """specs: key -> (decoder factory, prompt, n, start round); key -> (tokens, commits,
+    decoder), and the batch."""
+    from dflash_server.generation.batch import BatchDecoder, drive
+    from dflash_server.generation.speculative import PREFILL_CHUNK
+
+    inner = random_drafter(model)
+    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)), max_verify)
+    decoders = {k: make() for k, (make, *_) in specs.items()}
+    streams = {k: batch.join(decoders[k], p, n) for k, (_, p, n, _) in specs.items()}
+    commits: dict[str, list[Any]] = {k: [] for k in specs}
+    for key, commit in drive(batch, streams, {k: s[3] for k, s in specs.items()}):
+        if commit is not PREFILL_CHUNK:
+            commits[key].append(commit)
+    tokens = {k: [t for c in cs for t in c.tokens] for k, cs in commits.items()}
+    return {k: (tokens[k], commits[k], decoders[k]) for k in specs}, batch
+
+
+@pytest.mark.parametrize("max_verify", [None, 40])
+def test_batched_rows_copy_and_equal_plain_decoding(target: Any, max_verify: int | None) -> None:
+    """Copying rows (with and without a drafter, one under a grammar) next to a drafting row and
+    a plain row, joining at different rounds; with ``max_verify`` the wide copies are narrowed
+    to fit the pass. Every row equals plain greedy decoding."""
+    model, tokenizer = target
+    ids = tokenizer.encode(REPEATED)
+    other = tokenizer.encode("The quick brown fox")
+    vocab = model.model.embed_tokens.weight.shape[0]
+    reference, other_ref = plain(model, ids), plain(model, other)
+    rule = NoMultipleOfThree(vocab, ids[-1])
+
+    def processor(history: mx.array, logits: mx.array) -> mx.array:
+        return mx.where(rule.row(history[-1].item())[None], logits, -mx.inf)
+
+    constrained_ref = plain(model, ids, N, [processor])
+    shared = SharedSuffixIndex(1 << 20)
+    shared.add(reference)  # an earlier request's output: copies wider than a drafter block
+    shared.add(constrained_ref)
+    inner = random_drafter(model)
+    specs = {
+        "copy": (lambda: copy_decoder(model, ids, shared=shared), ids, N, 0),
+        "copy+draft": (lambda: copy_decoder(model, ids, inner, shared), ids, N, 2),
+        "grammar": (lambda: copy_decoder(model, ids, shared=shared,
+                    constraint=NoMultipleOfThree(vocab, ids[-1])), ids, N, 1),
+        "drafter": (lambda: SpeculativeDecoder(TargetModel(model, inner.config.target_layer_ids),
+                    inner, TokenSampler(SamplingParams()), FixedBlock(4)), other, N, 0),
+        "plain": (lambda: SpeculativeDecoder(TargetModel(model, ()), None,
+                  TokenSampler(SamplingParams()), FixedBlock(1)), other, N, 3),
+    }  # fmt: skip
+    out, batch = batched(model, specs, max_verify)
+    assert out["copy"][0] == out["copy+draft"][0] == reference
+    assert out["grammar"][0] == constrained_ref
+    assert out["drafter"][0] == out["plain"][0] == other_ref
+    for key in ("copy", "copy+draft", "grammar"):
+        assert out[key][2].stats.sources["suffix"]["tokens"] > N // 2, key
+    widest = max(out[k][2].stats.sources["suffix"]["widest"] for k in ("copy", "copy+draft"))
+    if max_verify is None:
+        assert widest > 16  # copies wider than the drafter's block ran in the batch
+    else:
+        assert widest <= max_verify // 2  # narrowed: several rows shared each pass
+    assert max(batch.histogram) >= 4 and batch.rows == []
+    assert len(shared.entries) > 2  # finished rows' outputs joined the shared index
+
+
+def test_batched_sampled_copies_equal_their_lone_runs(tiny_hybrid: Any) -> None:
+    """Seeded sampled rows that copy (point-mass acceptance, rejections resampled) draw the same
+    tokens batched as alone, so they follow the law the lone test above checks; their logprobs
+    agree within 1e-4."""
+    model, tokenizer = tiny_hybrid
+    prompt = tokenizer.encode("The quick brown")
+    exact = three_token_law(model, prompt)
+    inner = random_drafter(model)
+
+    def make(seed: int) -> Any:
+        def build() -> SpeculativeDecoder:
+            draft = inner if seed % 2 else None  # its own index: rows finish in another order
+            shared = likeliest_copies(prompt, exact)
+            return copy_decoder(model, prompt, draft, shared, params=LAW_PARAMS, seed=seed,
+                                logprobs=2)  # fmt: skip
+
+        return build
+
+    specs = {seed: (make(seed), prompt, 3 + seed % 4, seed % 3) for seed in range(12)}
+    out, batch = batched(model, specs)
+    copied = 0
+    for seed, (make_one, _, n, _) in specs.items():
+        lone = list(make_one().generate(prompt, n))
+        tokens, commits, row = out[seed]
+        assert tokens == [t for c in lone for t in c.tokens], seed
+        got = [lp for c in commits for lp in c.logprobs]
+        want = [lp for c in lone for lp in c.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, seed
+        copied += row.stats.sources["suffix"]["cycles"]
+    assert copied >= len(specs) and max(batch.histogram) >= 8

@@ -228,7 +228,7 @@ class Settings(BaseSettings, _SamplingDefaults):
     suffix_drafts: bool = Field(
         True,
         description="also verify tokens copied from the context and recent outputs when that "
-        "pays (block size 'auto', or no drafter; with --batching interleave for now)",
+        "pays (block size 'auto', or no drafter)",
     )
     suffix_max_tokens: int = Field(
         32, ge=1, le=256, description="most tokens one suffix copy may verify"
@@ -299,10 +299,8 @@ class Settings(BaseSettings, _SamplingDefaults):
 
     @property
     def suffix_tokens(self) -> int:
-        """The widest suffix copy a request may verify (0: none). Batched rows do not copy yet,
-        so copies run with batching "interleave" (docs/design.md, "Suffix drafts")."""
-        copies = self.suffix_drafts and self.batching == "interleave"
-        return self.suffix_max_tokens if copies else 0
+        """The widest suffix copy a request may verify (0: none)."""
+        return self.suffix_max_tokens if self.suffix_drafts else 0
 
     @property
     def prefix_cache_budget(self) -> int:

@@ -3,8 +3,9 @@
 Each request keeps its own ``SpeculativeDecoder`` (sampler, penalties, constraint, block policy,
 drafter context, stats); only the target cache is shared, as rows of a ``BatchCache``. A pass:
 
-1. every row picks its width (its policy; 1 = a plain decoding row) and, when drafting, runs its
-   drafter on its own context (rows may even have different drafters);
+1. every row picks its cycle (its policy: a drafter block, a suffix copy, or width 1 = a plain
+   decoding row) and, when drafting, runs its drafter on its own context (rows may even have
+   different drafters; copies need no drafter pass);
 2. one target forward verifies all rows, each right-padded to the widest;
 3. per row: the processed logits, acceptance, bonus and logprobs, exactly as alone;
 4. per row rollback: attention columns past the row's kept prefix become unattendable, each
@@ -30,6 +31,8 @@ from mlx_lm.generate import generation_stream
 from dflash_server.generation.batch_budget import PassCosts, choose_widths
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
 from dflash_server.generation.batch_draft import DraftRow, propose_rows
+from dflash_server.generation.controller import DRAFTER, PLAIN, SUFFIX, Choice
+from dflash_server.generation.sampling import point_mass
 from dflash_server.generation.speculative import (
     _FLUSH,
     Commit,
@@ -107,9 +110,7 @@ class BatchDecoder:
             while True:
                 commit = _terminate(commit, max_tokens - produced, eos_ids)
                 produced += len(commit.tokens)
-                decoder._history.extend(commit.tokens)
-                if decoder.constraint is not None:
-                    decoder.constraint.commit(commit.tokens)
+                decoder._committed(commit.tokens)
                 if commit.finish is not None:
                     self._leave(row)  # before the caller hears the end: no pass includes it
                     yield commit
@@ -121,6 +122,8 @@ class BatchDecoder:
                 commit = row.take()
         finally:
             self._leave(row)
+            if decoder.suffix is not None:  # the output so far joins the shared index
+                decoder.suffix.finish()
 
     def _enter(self, row: _Row) -> None:
         cache = row.decoder.cache
@@ -141,15 +144,18 @@ class BatchDecoder:
 
     # -- one pass -----------------------------------------------------------------------------
 
-    def _widths(self, rows: list[_Row]) -> list[int]:
-        widths = [r.decoder.policy.next_size(r.room) for r in rows]
+    def _choices(self, rows: list[_Row]) -> list[Choice]:
+        """Each row's next cycle (its policy: drafter block, suffix copy or plain), narrowed by
+        the verify budget and the ``max_verify`` cap."""
+        choices = [r.decoder._choose(r.room) for r in rows]
+        widths = [c.size for c in choices]
         if self.costs is not None and len(rows) > 1:  # the verify budget (batch_budget.py)
-            widths = choose_widths([r.decoder for r in rows], widths, self.costs)
+            widths = choose_widths([r.decoder for r in rows], choices, self.costs)
         if self.max_verify is not None:
             while max(widths) > 1 and len(rows) * max(widths) > self.max_verify:
                 top = max(widths)
                 widths = [w - 1 if w == top else w for w in widths]
-        return widths
+        return [c.narrow(w) for c, w in zip(choices, widths)]
 
     def step(self) -> None:
         """One pass over every row; each row's commit waits in its inbox for its ``next``."""
@@ -165,10 +171,11 @@ class BatchDecoder:
 
     def _pass(self, rows: list[_Row]) -> None:
         assert self.cache is not None
-        widths = self._widths(rows)
+        choices = self._choices(rows)
+        widths = [c.size for c in choices]
         width = max(widths)
         with mx.stream(generation_stream):
-            inputs, proposals = [], self._propose(rows, widths)
+            inputs, proposals = [], self._propose(rows, choices)
             for row, w, proposal in zip(rows, widths, proposals):
                 tokens = row.last if w == 1 else mx.concatenate([row.last, proposal[0]])
                 if w < width:  # right padding: computed, never kept
@@ -179,9 +186,9 @@ class BatchDecoder:
             with recording as record:
                 logits, taps = self.target.forward(mx.stack(inputs), self.cache.layers, slice(None))
             cycles = [
-                self._score(row, w, logits[i : i + 1, :w],
-                            None if taps is None else taps[i : i + 1, :w], *proposals[i])
-                for i, (row, w) in enumerate(zip(rows, widths))
+                self._score(row, c, logits[i : i + 1, : c.size],
+                            None if taps is None else taps[i : i + 1, : c.size], *proposals[i])
+                for i, (row, c) in enumerate(zip(rows, choices))
             ]  # fmt: skip
             mx.async_eval(*[a for c in cycles for a in c.arrays()])
         keep = []
@@ -203,37 +210,39 @@ class BatchDecoder:
         self.histogram[len(rows)] = self.histogram.get(len(rows), 0) + 1
 
     @staticmethod
-    def _propose(rows: list[_Row], widths: list[int]) -> list[tuple[Any, Any, Any]]:
+    def _propose(rows: list[_Row], choices: list[Choice]) -> list[tuple[Any, Any, Any]]:
         """(drafts, log q, penalty history) per row, the drafting rows in one drafter pass
-        where they can (``batch_draft.py``); no drafter pass for a plain row."""
+        where they can (``batch_draft.py``); a copy's drafts come from the host, a plain row
+        has none."""
         out: list[tuple[Any, Any, Any]] = []
         drafting: list[DraftRow] = []
-        for row, width in zip(rows, widths):
+        for row, choice in zip(rows, choices):
             d = row.decoder
             history = d._history_tail() if d.sampler.processors else None
-            out.append((None, None, history))
-            if width > 1:
+            drafts = mx.array(choice.tokens, dtype=mx.int32) if choice.source == SUFFIX else None
+            out.append((drafts, None, history))
+            if choice.source == DRAFTER:
                 assert d.draft is not None and d.draft_cache is not None  # width > 1: drafting
-                mask = mx.full((width - 1,), d.draft.config.mask_token_id, dtype=mx.int32)
+                mask = mx.full((choice.size - 1,), d.draft.config.mask_token_id, dtype=mx.int32)
                 block = mx.concatenate([row.last, mask])[None]
                 context = d._take_context()
                 drafting.append(
                     DraftRow(d.draft, block, context, d.draft_cache, d.sampler, history)
                 )
         proposals = iter(propose_rows(drafting))
-        for i, width in enumerate(widths):
-            if width > 1:
+        for i, choice in enumerate(choices):
+            if choice.source == DRAFTER:
                 drafts, log_q = next(proposals)
                 out[i] = (drafts.astype(mx.int32), log_q, out[i][2])
         return out
 
     @staticmethod
     def _score(
-        row: _Row, width: int, logits: mx.array, taps: mx.array | None,
+        row: _Row, choice: Choice, logits: mx.array, taps: mx.array | None,
         drafts: Any, log_q: Any, history: Any,
     ) -> _Cycle:  # fmt: skip
         """One row's cycle from its verify logits ([1, width, V]), as ``_queue_cycle``."""
-        d = row.decoder
+        d, width = row.decoder, choice.size
         if width == 1:
             if d.draft is not None and taps is not None:
                 d._context.append(taps)  # a plain row's taps still feed its drafter
@@ -243,9 +252,14 @@ class BatchDecoder:
             processed = d._finish_rows(logits[0], history, None)
             bonus = d.sampler.sample(processed)
             result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
-            return _Cycle(result, None, 1, d._logprobs(processed, bonus))
-        path = drafts.tolist() if d.constraint is not None else drafts
+            return _Cycle(result, None, 1, d._logprobs(processed, bonus), PLAIN)
+        copied = choice.source == SUFFIX
+        path = drafts
+        if d.constraint is not None:  # a constraint walks the verified path on the host
+            path = list(choice.tokens) if copied else drafts.tolist()
         processed = d._finish_rows(logits[0], history, path)
+        if copied and not d.sampler.deterministic:  # a copy is a point mass: q = 1 on it
+            log_q = point_mass(drafts, processed.shape[-1])
         accepted, bonus = d.sampler.accept(processed, drafts, log_q)
         result = mx.concatenate([mx.stack([accepted, bonus]).astype(mx.int32), drafts])
         logprobs = None
@@ -253,7 +267,7 @@ class BatchDecoder:
             emitted = mx.concatenate([drafts, bonus[None].astype(mx.int32)])
             emitted = mx.where(mx.arange(width) == accepted, bonus, emitted)
             logprobs = d._logprobs(processed, emitted)
-        return _Cycle(result, taps, width, logprobs)
+        return _Cycle(result, taps, width, logprobs, choice.source, choice.confidence)
 
 
 def drive(

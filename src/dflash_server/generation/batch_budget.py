@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.controller import AcceptanceModel, BlockController
+from dflash_server.generation.controller import SUFFIX, AcceptanceModel, BlockController, Choice
 from dflash_server.generation.costs import CostModel
 
 
@@ -58,17 +58,21 @@ class PassCosts:
         )
 
 
-def _expected(decoder: Any, width: int) -> float:
-    """A row's expected committed tokens at ``width`` (its controller's acceptance estimate;
-    a fixed-width row: its observed tau)."""
+def _expected(decoder: Any, choice: Choice, width: int) -> float:
+    """A row's expected committed tokens at ``width``: its controller's acceptance estimate
+    (a copy: its tokens' confidences, scaled by the controller's trust); a fixed-width row:
+    its observed tau."""
     policy = decoder.policy
-    if isinstance(policy, BlockController):
-        return AcceptanceModel.expected(policy.acceptance.rates(), width)
-    return decoder.stats.tau or 1.0
+    if not isinstance(policy, BlockController):
+        return decoder.stats.tau or 1.0
+    if choice.source == SUFFIX and width > 1:
+        return AcceptanceModel.expected(policy.trust.rates(choice.confidence), width)
+    return AcceptanceModel.expected(policy.acceptance.rates(), width)
 
 
-def choose_widths(decoders: list[Any], wanted: list[int], costs: PassCosts) -> list[int]:
+def choose_widths(decoders: list[Any], choices: list[Choice], costs: PassCosts) -> list[int]:
     """Cap the adaptive rows' chosen widths where the batch's tokens per second is highest."""
+    wanted = [c.size for c in choices]
     adaptive = [isinstance(d.policy, BlockController) for d in decoders]
     if not any(adaptive):
         return wanted
@@ -78,7 +82,7 @@ def choose_widths(decoders: list[Any], wanted: list[int], costs: PassCosts) -> l
 
     def value(cap: int) -> float:
         ws = widths(cap)
-        tokens = sum(_expected(d, w) for d, w in zip(decoders, ws))
+        tokens = sum(_expected(d, c, w) for d, c, w in zip(decoders, choices, ws))
         return tokens / costs.cost(len(ws), max(ws))
 
     caps = sorted({1, *wanted})

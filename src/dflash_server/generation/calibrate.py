@@ -195,7 +195,7 @@ class _Copies(BlockController):
             return Choice.width(1)
         return Choice(SUFFIX, self.width, tuple(range(1, self.width)))
 
-    def observe(self, size: int, accepted: int, seconds: float | None, source: str = "") -> None:
+    def observe(self, *args: Any, **kwargs: Any) -> None:
         pass
 
 

@@ -25,7 +25,6 @@ predicted recent suffix cycles) over the verify-only cost, beat the drafter's (o
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,15 +39,25 @@ PLAIN, DRAFTER, SUFFIX = "plain", "drafter", "suffix"  # where a cycle's drafts 
 @dataclass(frozen=True)
 class Choice:
     """What the next cycle verifies: ``size`` positions (1: a plain step), drafted by the
-    drafter or copied (``tokens``, ``size - 1`` of them) from a suffix proposal."""
+    drafter or copied (``tokens``, ``size - 1`` of them, with their ``confidence``) from a
+    suffix proposal."""
 
     source: str
     size: int
     tokens: tuple[int, ...] = ()
+    confidence: tuple[float, ...] = ()
 
     @classmethod
     def width(cls, size: int) -> Choice:
         return cls(DRAFTER if size > 1 else PLAIN, size)
+
+    def narrow(self, size: int) -> Choice:
+        """The same choice at most ``size`` positions wide (a copy keeps its first tokens)."""
+        if size >= self.size:
+            return self
+        if size > 1 and self.source == SUFFIX:
+            return Choice(SUFFIX, size, self.tokens[: size - 1], self.confidence[: size - 1])
+        return Choice.width(size)
 
 
 class FixedBlock:
@@ -67,7 +76,12 @@ class FixedBlock:
         return Choice.width(self.next_size(room))
 
     def observe(
-        self, size: int, accepted: int, seconds: float | None, source: str = DRAFTER
+        self,
+        size: int,
+        accepted: int,
+        seconds: float | None,
+        source: str = DRAFTER,
+        confidence: tuple[float, ...] = (),
     ) -> None:
         pass
 
@@ -223,7 +237,6 @@ class BlockController:
         self.trust = SuffixTrust()
         self.min_trust = min_trust
         self._rivals: dict[int, float] = {}  # room -> the drafter's best value (``_rival``)
-        self._suffix_queued: deque[tuple[float, ...]] = deque()  # confidences, per cycle in flight
 
     def _first_gap(self) -> int:
         """Plain steps before a first probe: at least ``min_gap``, and enough that a failed
@@ -293,8 +306,7 @@ class BlockController:
         n = self.copies(room, proposal)
         if n:
             assert proposal is not None
-            self._suffix_queued.append(tuple(proposal.confidence[:n]))
-            return Choice(SUFFIX, n + 1, tuple(proposal.tokens[:n]))
+            return Choice(SUFFIX, n + 1, tuple(proposal.tokens[:n]), tuple(proposal.confidence[:n]))
         if proposal is not None:
             self.trust.forget()
         return Choice.width(self.next_size(room))
@@ -325,14 +337,20 @@ class BlockController:
         return size
 
     def observe(
-        self, size: int, accepted: int, seconds: float | None, source: str = DRAFTER
+        self,
+        size: int,
+        accepted: int,
+        seconds: float | None,
+        source: str = DRAFTER,
+        confidence: tuple[float, ...] = (),
     ) -> None:
-        """A cycle of ``size`` positions committed ``accepted`` drafts (+1) in ``seconds``."""
+        """A cycle of ``size`` positions committed ``accepted`` drafts (+1) in ``seconds``
+        (a suffix copy: with the ``confidence`` its tokens were chosen with)."""
         self._rivals.clear()
         if seconds is not None:
             self.costs.observe(size, seconds, drafted=source != SUFFIX)
         if source == SUFFIX:
-            self.trust.observe(self._suffix_queued.popleft(), accepted)
+            self.trust.observe(confidence, accepted)
             return
         if size <= 1:
             return  # a plain step says nothing about acceptance

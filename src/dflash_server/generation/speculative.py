@@ -77,6 +77,7 @@ class _Cycle:
     size: int  # B, positions fed to the target
     logprobs: tuple[mx.array, mx.array | None, mx.array | None] | None = None  # per verify row
     source: str = DRAFTER  # PLAIN, DRAFTER or SUFFIX
+    confidence: tuple[float, ...] = ()  # a suffix copy's, for the controller's trust
 
     def arrays(self) -> list[mx.array]:
         extra = [] if self.logprobs is None else [a for a in self.logprobs if a is not None]
@@ -305,7 +306,7 @@ class SpeculativeDecoder:
                 emitted = mx.where(mx.arange(size) == accepted, bonus, emitted)
                 logprobs = self._logprobs(logits, emitted)
             self._timed("verify", result, taps)
-        cycle = _Cycle(result, taps, size, logprobs, choice.source)
+        cycle = _Cycle(result, taps, size, logprobs, choice.source, choice.confidence)
         mx.async_eval(*cycle.arrays())
         return cycle
 
@@ -351,7 +352,8 @@ class SpeculativeDecoder:
         if not first:  # the prefill's token is no cycle
             self.stats.record(cycle.size, accepted, cycle.source)
             if cycle.source == SUFFIX:
-                cast(BlockController, self.policy).observe(cycle.size, accepted, seconds, SUFFIX)
+                policy = cast(BlockController, self.policy)
+                policy.observe(cycle.size, accepted, seconds, SUFFIX, cycle.confidence)
             else:
                 self.policy.observe(cycle.size, accepted, seconds)
         if cycle.size > 1:
@@ -404,11 +406,7 @@ class SpeculativeDecoder:
         while True:
             commit = _terminate(commit, max_tokens - produced, eos_ids)
             produced += len(commit.tokens)
-            self._history.extend(commit.tokens)
-            if self.suffix is not None:
-                self.suffix.extend(commit.tokens)
-            if self.constraint is not None:
-                self.constraint.commit(commit.tokens)
+            self._committed(commit.tokens)
             if commit.finish is not None:
                 yield commit
                 return
@@ -423,6 +421,15 @@ class SpeculativeDecoder:
                 if planned.size == 1:
                     queued, planned = self._queue_cycle(cycle.result[1:2], planned), None
             commit, last = self._read(cycle)
+
+    def _committed(self, tokens: list[int]) -> None:
+        """What committed tokens feed besides the caller: penalties, the suffix index and the
+        constraint."""
+        self._history.extend(tokens)
+        if self.suffix is not None:
+            self.suffix.extend(tokens)
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
 
     def _choose(self, room: int) -> Choice:
         if self.suffix is None:
