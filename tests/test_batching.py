@@ -324,3 +324,63 @@ def test_verify_budget_caps_widths_where_the_batch_gains(tiny_hybrid: tuple[Any,
     flat = PassCosts({1: 0.01, 4: 0.011}, {4: 0.012, 16: 0.0125, 64: 0.013})
     assert choose_widths(rows, choices, flat) == wanted
     assert flat.rows_supported() == 16 and steep.rows_supported() == 1
+
+
+def test_prompts_prefilled_together_equal_lone_prefills(target: tuple[Any, Any]) -> None:
+    """One right-padded forward for prompts of different lengths: each request's first token,
+    logprobs, target caches and drafter context as after its lone prefill."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from dflash_server.generation.batch_prefill import prefill_together
+
+    def kv(c: Any) -> list[mx.array]:
+        return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+
+    model, tokenizer = target
+    inner = random_drafter(model)
+    prompts = [list(tokenizer.encode(p)) for p in [*PROMPTS, "x"]]
+    lone = [make_decoder(model, inner, 8, logprobs=2) for _ in prompts]
+    together = [make_decoder(model, inner, 8, logprobs=2) for _ in prompts]
+    want = [d.prefill(p) for d, p in zip(lone, prompts)]
+    got = prefill_together(together[0].target, together, prompts)
+    for a, b, la, lb in zip(got, want, together, lone):
+        assert a.result.tolist() == b.result.tolist()
+        assert mx.allclose(a.logprobs[0], b.logprobs[0], atol=1e-4).item()
+        for ca, cb in zip(la.cache, lb.cache):
+            xs, ys = (c.cache if isinstance(c, ArraysCache) else kv(c) for c in (ca, cb))
+            assert [x.shape for x in xs] == [y.shape for y in ys]
+            assert all(mx.allclose(x, y, atol=1e-4).item() for x, y in zip(xs, ys))
+        for ca, cb in zip(la.draft_cache, lb.draft_cache):
+            assert ca.offset == cb.offset
+            xs, ys = ca.snapshot()[:2], cb.snapshot()[:2]
+            assert all(mx.allclose(x, y, atol=1e-4).item() for x, y in zip(xs, ys))
+
+
+def test_prefilled_together_with_a_prefix_cache(tiny_hybrid: tuple[Any, Any]) -> None:
+    """Cold prompts prefilled together keep their checkpoints: a later request restoring one
+    (a hit, which prefills alone) gives the cold tokens; long prompts still go chunk by chunk."""
+    from dflash_server.engine.prefix_cache import PrefixCache
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model)
+    system = list(tokenizer.encode(PROMPTS[2] * 2))
+    prompts = [system + list(tokenizer.encode(p)) for p in PROMPTS[:2]]
+    long = list(tokenizer.encode(" ".join(PROMPTS) * 4))
+    cut = (len(system),)
+    cache = PrefixCache(1 << 30)
+
+    def make(prefix: Any, step: int = 512) -> Any:
+        return lambda: make_decoder(model, inner, 8, prefix=prefix, checkpoints=cut,
+                                    prefill_step_size=step)  # fmt: skip
+
+    cold = [tokens_of(make(None)().generate(p, 30)) for p in [*prompts, long]]
+    specs = {"a": (make(cache), prompts[0], 30), "b": (make(cache), prompts[1], 30),
+             "long": (make(cache, 16), long, 30)}  # fmt: skip
+    out, batch = run_batched(model, specs)
+    assert [out["a"], out["b"], out["long"]] == cold
+    assert batch.prefilled_together == 2  # the long prompt prefilled alone, in chunks
+    hit = make(cache)()
+    assert tokens_of(hit.generate(prompts[1] + [5, 6], 30)) == tokens_of(
+        make(None)().generate(prompts[1] + [5, 6], 30)
+    )
+    assert hit.stats.cached_tokens >= len(system)

@@ -6,9 +6,11 @@ one prompt chunk (``prefill_step_size`` tokens) of a request still prefilling, s
 never stalls the other streams for more than a chunk. Every request keeps its own caches inside
 its ``stream_generate`` generator, so interleaving changes no request's tokens, and a short
 request finishes while a long one is still running. With ``batching="batched"`` the requests
-past their prefill run as rows of one ``BatchDecoder`` instead: each round is one batched pass
-(one drafter pass for the drafting rows, one target verify for all), then every request's step
-reads its row's tokens; outputs are still those of a lone run.
+past their prefill run as rows of one ``BatchDecoder`` instead: each round every request's
+step reads its row's tokens from the last pass (a new short prompt registers for a prefill),
+then one batch step: the waiting short prompts prefilled together in one forward, and one
+batched pass (one drafter pass for the drafting rows, one target verify for all); outputs are
+still those of a lone run.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
 event loop and stops at its next step.
 """
@@ -256,13 +258,6 @@ class Engine:
             if run is not None:
                 with self._cond:
                     self._active.append(run)
-        if self.batch is not None and self.batch.rows:
-            try:  # one pass for every running row; each row's step below reads its tokens
-                self.batch.step()
-            except Exception:
-                log.exception("batched pass failed")  # each of its rows ends with the error
-            if self.on_pass is not None:
-                self.on_pass(*self.batch.last_pass)
         for run in list(self._active):
             if self._stopping:
                 return False
@@ -272,6 +267,14 @@ class Engine:
                 event = self._finished(run) if final is _DONE else final
                 self._close(run)
                 run.job.emit(event)
+        if self.batch is not None and (self.batch.rows or self.batch.waiting):
+            passes = self.batch.passes
+            try:  # the waiting prompts' prefill, then one pass for every running row
+                self.batch.step()  # each row's step next round reads its tokens
+            except Exception:
+                log.exception("batched pass failed")  # each of its rows ends with the error
+            if self.on_pass is not None and self.batch.passes > passes:
+                self.on_pass(*self.batch.last_pass)
         return True
 
     def _fail(self, message: str) -> None:

@@ -12,8 +12,10 @@ drafter context, stats); only the target cache is shared, as rows of a ``BatchCa
    Gated DeltaNet row takes the state after its own kept prefix, and the drafter context gets
    only the row's committed positions' taps.
 
-A request's prefill runs alone, chunk by chunk (``prefill_steps``, yielding between chunks, so
-the owner advances the batch in between); then its caches move into the batch as a new row. It
+Prompts of one chunk or less that the prefix cache does not hold wait for the next ``step``,
+which prefills them together in one forward (``batch_prefill.py``); a longer prompt, or a prefix
+hit, prefills alone, chunk by chunk (``prefill_steps``, yielding between chunks, so the owner
+advances the batch in between). Then the request's caches move into the batch as a new row. It
 leaves the batch when it finishes or its generator is closed (cancelled). Outputs are those of
 the request run alone: greedy token for token (on fp32, where kernels do not change with row
 count; docs/design.md, "Batching under speculation"), sampled rows with the same law.
@@ -31,10 +33,12 @@ from mlx_lm.generate import generation_stream
 from dflash_server.generation.batch_budget import PassCosts, choose_widths
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
 from dflash_server.generation.batch_draft import DraftRow, propose_rows
+from dflash_server.generation.batch_prefill import prefill_together
 from dflash_server.generation.controller import DRAFTER, PLAIN, SUFFIX, Choice
 from dflash_server.generation.sampling import point_mass
 from dflash_server.generation.speculative import (
     _FLUSH,
+    PREFILL_CHUNK,
     Commit,
     SpeculativeDecoder,
     _Cycle,
@@ -48,11 +52,19 @@ K = TypeVar("K")
 class _Row:
     """A request in the batch: its decoder, next anchor token and the commit of the last pass."""
 
-    def __init__(self, decoder: SpeculativeDecoder, last: mx.array) -> None:
+    def __init__(self, decoder: SpeculativeDecoder, last: Any) -> None:
         self.decoder, self.last = decoder, last
         self.room = 0  # tokens it may still produce
+        self.first: _Cycle | None = None  # a batched prefill's first token
         self.inbox: Commit | None = None
         self.error: Exception | None = None
+
+    def take_first(self) -> _Cycle:
+        if self.error is not None:
+            raise RuntimeError(f"batched prefill failed: {self.error}") from self.error
+        if self.first is None:
+            raise RuntimeError("a waiting prompt was stepped before the batch prefilled it")
+        return self.first
 
     def take(self) -> Commit:
         if self.error is not None:
@@ -80,6 +92,8 @@ class BatchDecoder:
         self.last_pass: tuple[int, int] = (0, 0)  # (rows, verified positions) of the last pass
         self.histogram: dict[int, int] = {}  # rows in a pass -> passes
         self.costs: PassCosts | None = None  # measured pass costs: the verify budget
+        self.waiting: list[tuple[_Row, list[int]]] = []  # short prompts for the next prefill
+        self.prefilled_together = 0  # prompts prefilled in a shared forward
 
     def supports(self, decoder: SpeculativeDecoder) -> bool:
         """Whether this request can run as a row (same model and taps, plain KV / GDN caches)."""
@@ -103,10 +117,15 @@ class BatchDecoder:
             return
         if max_tokens <= 0:
             return
-        first = yield from decoder.prefill_steps(prompt)
-        commit, last = decoder._read(first, first=True)
-        row, produced = _Row(decoder, last), 0
+        row, produced = _Row(decoder, None), 0
         try:
+            if self._prefills_together(decoder, prompt):
+                self.waiting.append((row, prompt))
+                yield PREFILL_CHUNK  # the next ``step`` prefills it, with the others waiting
+                first = row.take_first()
+            else:
+                first = yield from decoder.prefill_steps(prompt)
+            commit, row.last = decoder._read(first, first=True)
             while True:
                 commit = _terminate(commit, max_tokens - produced, eos_ids)
                 produced += len(commit.tokens)
@@ -122,8 +141,38 @@ class BatchDecoder:
                 commit = row.take()
         finally:
             self._leave(row)
+            self.waiting = [w for w in self.waiting if w[0] is not row]  # cancelled waiting
             if decoder.suffix is not None:  # the output so far joins the shared index
                 decoder.suffix.finish()
+
+    def _prefills_together(self, decoder: SpeculativeDecoder, prompt: list[int]) -> bool:
+        """Whether the prompt waits for a batched prefill: one chunk long and cold (a prefix
+        hit restores its own way, and a longer prompt goes chunk by chunk)."""
+        return len(prompt) <= decoder.prefill_step_size and decoder.prefix_hit(prompt) is None
+
+    def _prefill_waiting(self) -> None:
+        """Prefill the waiting prompts that fit one chunk together (in arrival order)."""
+        group: list[tuple[_Row, list[int]]] = []
+        widest = 0
+        for row, prompt in self.waiting:
+            widest = max(widest, len(prompt))
+            if group and widest * (len(group) + 1) > row.decoder.prefill_step_size:
+                break
+            group.append((row, prompt))
+        del self.waiting[: len(group)]
+        try:
+            if len(group) == 1:
+                ((row, prompt),) = group
+                row.first = row.decoder.prefill(prompt)
+            else:
+                decoders = [r.decoder for r, _ in group]
+                cycles = prefill_together(self.target, decoders, [p for _, p in group])
+                for (row, _), cycle in zip(group, cycles):
+                    row.first = cycle
+                self.prefilled_together += len(group)
+        except Exception as exc:  # each of these requests' next step reports it; rows go on
+            for row, _ in group:
+                row.error = exc
 
     def _enter(self, row: _Row) -> None:
         cache = row.decoder.cache
@@ -158,7 +207,10 @@ class BatchDecoder:
         return [c.narrow(w) for c, w in zip(choices, widths)]
 
     def step(self) -> None:
-        """One pass over every row; each row's commit waits in its inbox for its ``next``."""
+        """Prefill the waiting prompts, then one pass over every row; each row's commit waits
+        in its inbox for its ``next``."""
+        if self.waiting:
+            self._prefill_waiting()
         rows = list(self.rows)
         if not rows:
             return
@@ -274,15 +326,15 @@ def drive(
     batch: BatchDecoder, streams: Mapping[K, Iterator[Any]], start: Mapping[K, int] | None = None
 ) -> Iterator[tuple[K, Any]]:
     """Run streams (``batch.join`` generators, or what wraps them) as the engine does: each
-    round one pass, then one step of every started stream; ``start[key]`` delays a stream to
-    that round. Yields (key, item) in order."""
+    round one step of every started stream, then one batch step (the waiting prompts'
+    prefill and a pass); ``start[key]`` delays a stream to that round. Yields (key, item) in
+    order."""
     start = start or {}
     waiting, active = dict(streams), dict[K, Iterator[Any]]()
     rounds = 0
     while waiting or active:
         for key in [k for k in waiting if start.get(k, 0) <= rounds]:
             active[key] = waiting.pop(key)
-        batch.step()
         for key, stream in list(active.items()):
             try:
                 item = next(stream)
@@ -290,4 +342,5 @@ def drive(
                 del active[key]
                 continue
             yield key, item
+        batch.step()
         rounds += 1

@@ -98,6 +98,10 @@ class RaggedKVCache:
             self.values = mx.concatenate([self.values, mx.zeros(pad, self.values.dtype)], axis=2)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:  # rows that hold no tokens yet (a batched prefill's)
+            shape = (*keys.shape[:2], self.layout.capacity)
+            self.keys = mx.zeros((*shape, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((*shape, values.shape[3]), values.dtype)
         self._fit()
         start, n = self.layout.idx, keys.shape[2]
         self.keys[..., start : start + n, :] = keys
@@ -125,6 +129,16 @@ class BatchCache:
             RaggedKVCache(self.layout) if kind is KVCache else ArraysCache(2) for kind in kinds
         ]
         self.linear = [c for c in self.layers if isinstance(c, ArraysCache)]
+
+    @classmethod
+    def empty(cls, kinds: list[type], rows: int) -> BatchCache:
+        """``rows`` rows holding no tokens yet (a batched prefill's)."""
+        cache = cls(kinds)
+        lay = cache.layout
+        lay.rows, lay.lengths = rows, [0] * rows
+        lay.valid = mx.zeros((rows, 0), dtype=mx.bool_)
+        lay.offset = mx.zeros((rows,), dtype=mx.int32)
+        return cache
 
     @property
     def rows(self) -> int:

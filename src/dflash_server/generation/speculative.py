@@ -42,6 +42,7 @@ from dflash_server.generation.target import TargetModel
 
 __all__ = ["PREFILL_CHUNK", "Commit", "SpeculativeDecoder", "SpeculativeStats"]
 _FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
+_UNSEEN = object()  # the prefix cache was not asked yet
 
 
 @dataclass
@@ -131,6 +132,7 @@ class SpeculativeDecoder:
         self._context: list[mx.array] = []  # committed taps not yet given to the drafter
         self._pending: tuple[int, int] | None = None  # (keep, fed) of the last verify
         self._last_read: float | None = None  # when the previous cycle was read back
+        self._hit: object = _UNSEEN  # the prefix cache's answer for this request's prompt
 
     # -- phases -------------------------------------------------------------------------------
 
@@ -196,22 +198,35 @@ class SpeculativeDecoder:
                     mx.clear_cache()
             if not last:
                 yield PREFILL_CHUNK
+        return self._first_token(prompt, _rows(logits)[0], checkpoints)
+
+    def _first_token(
+        self, prompt: list[int], logits: mx.array, checkpoints: dict[int, Checkpoint]
+    ) -> _Cycle:
+        """After the prompt's prefill: keep its snapshot (with a prefix cache) and start the
+        first token's (lazy) one-row cycle from the last position's logits ([1, V])."""
         with mx.stream(generation_stream):
             if self.prefix is not None:
                 snapshot = PromptSnapshot.take(prompt, self.cache, self.draft_cache, checkpoints)
                 mx.async_eval(snapshot.arrays())
                 self.prefix.store(self._prefix_kind, snapshot)
-            logits = self._finish_rows(_rows(logits)[0], self._history_tail(), None)
+            logits = self._finish_rows(logits, self._history_tail(), None)
             first = self.sampler.sample(logits)
             result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
         return _Cycle(result, None, 1, self._logprobs(logits, first))
 
+    def prefix_hit(self, prompt: list[int]) -> tuple[PromptSnapshot, int] | None:
+        """The prefix cache's longest restorable prefix of ``prompt`` (looked up once: a
+        request's decoder serves that one prompt), or None."""
+        if self._hit is _UNSEEN:
+            found = None if self.prefix is None else self.prefix.lookup(self._prefix_kind, prompt)
+            self._hit = found
+        return cast("tuple[PromptSnapshot, int] | None", self._hit)
+
     def _restore(self, prompt: list[int]) -> tuple[int, dict[int, Any]]:
         """Load the longest cached prefix (never the whole prompt: its last token gives the
         logits); return its length and the checkpoints the new snapshot inherits."""
-        if self.prefix is None:
-            return 0, {}
-        hit = self.prefix.lookup(self._prefix_kind, prompt)
+        hit = self.prefix_hit(prompt)
         if hit is None:
             return 0, {}
         snapshot, start = hit

@@ -1,0 +1,95 @@
+"""Several waiting prompts prefilled in one target forward (the batched engine's short prompts).
+
+Each prompt is a row of a fresh ``BatchCache``, right-padded to the longest, so a row's columns
+are its prompt's positions: attention never sees the padding (it comes after every real token,
+and causal masking hides later columns), and each Gated DeltaNet row stops at its own length
+(mlx-lm's ``ArraysCache.prepare(lengths=...)``: a masked step keeps the state, and the conv
+window is taken at the row's end). With a prefix cache the forward is cut at every row's
+checkpoints, where that row's recurrent state is kept, as a lone prefill cuts its chunks. Each
+request then gets its own caches back and goes on exactly as after a lone prefill
+(docs/design.md, "Batching under speculation").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from dflash_server.generation.batch_cache import BatchCache
+from dflash_server.generation.prefix import Checkpoint
+from dflash_server.generation.speculative import SpeculativeDecoder, _Cycle
+from dflash_server.generation.target import TargetModel
+
+
+def prefill_together(
+    target: TargetModel, decoders: list[SpeculativeDecoder], prompts: list[list[int]]
+) -> list[_Cycle]:
+    """Prefill cold prompts (no prefix-cache hit) as rows of one forward per segment; return
+    each request's first-token cycle, its caches and drafter context filled in."""
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    cache = BatchCache.empty([type(c) for c in decoders[0].cache], len(prompts))
+    tokens = mx.array([p + [0] * (width - len(p)) for p in prompts], dtype=mx.int32)
+    wanted = [
+        d._chunk_checkpoints(n) if d.prefix is not None else set()
+        for d, n in zip(decoders, lengths)
+    ]
+    cuts = sorted(set().union(*wanted) | {width})
+    checkpoints: list[dict[int, Checkpoint]] = [{} for _ in decoders]
+    last: list[Any] = [None] * len(prompts)  # each row's final hidden state [1, H]
+    start = 0
+    with mx.stream(generation_stream):
+        for end in cuts:
+            keep = [min(max(n - start, 0), end - start) for n in lengths]
+            for c in cache.linear:
+                c.prepare(lengths=keep)
+            cache.layout.reserve(end - start)
+            hidden = target.parts.backbone(tokens[:, start:end], cache.layers)
+            taps = target.hooks.take_taps(target.tap_ids)
+            cache.layout.commit(keep, end - start)
+            for c in cache.linear:
+                c.finalize()
+            for i, d in enumerate(decoders):
+                if keep[i] == 0:
+                    continue
+                if d.draft is not None and taps is not None and d.draft_cache is not None:
+                    d.draft.append_context(taps[i : i + 1, : keep[i]], d.draft_cache)
+                if start < lengths[i] <= end:
+                    last[i] = hidden[i : i + 1, lengths[i] - 1 - start]
+                if end in wanted[i]:
+                    checkpoints[i][end] = Checkpoint.take(_row(cache, i), d.draft_cache)
+            if end < width:  # bound peak memory, as a lone prefill does between chunks
+                mx.eval(cache.state(), *[d._draft_state() for d in decoders])
+                mx.clear_cache()
+            start = end
+        logits = target.parts.lm_head(mx.concatenate(last))  # [rows, V]
+    cycles = []
+    for i, (d, prompt) in enumerate(zip(decoders, prompts)):
+        _fill(d.cache, cache, i, lengths[i])
+        d._history = list(prompt)
+        cycles.append(d._first_token(prompt, logits[i : i + 1], checkpoints[i]))
+    return cycles
+
+
+def _row(cache: BatchCache, i: int) -> list[ArraysCache]:
+    """Row ``i``'s recurrent layers as one request's caches (what ``Checkpoint.take`` reads)."""
+    views = []
+    for c in cache.linear:
+        view = ArraysCache(len(c.cache))
+        view.cache = [None if x is None else x[i : i + 1] for x in c.cache]
+        views.append(view)
+    return views
+
+
+def _fill(own: list[Any], cache: BatchCache, i: int, length: int) -> None:
+    """Load row ``i`` (``length`` tokens, at columns 0..length) into a request's fresh caches."""
+    for mine, batched in zip(own, cache.layers):
+        if isinstance(mine, KVCache):
+            mine.keys = mx.contiguous(batched.keys[i : i + 1, :, :length])
+            mine.values = mx.contiguous(batched.values[i : i + 1, :, :length])
+            mine.offset = length
+        else:
+            mine.cache = [None if x is None else x[i : i + 1] for x in batched.cache]
