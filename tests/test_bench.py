@@ -44,3 +44,21 @@ def test_bench_table(pair: list[str], capsys: pytest.CaptureFixture[str], tmp_pa
 def test_bench_bad_modes(pair: list[str]) -> None:
     with pytest.raises(SystemExit, match="unknown mode"):
         main(["bench", *pair, "--modes", "plain,fast"])
+
+
+def test_bench_concurrency(pair: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """N clients at once through the server's engine: a row per client count and mode, the
+    batched passes holding several rows."""
+    argv = ["bench", *pair, "--max-tokens", "8", "--concurrency", "1,3", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {(r["clients"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(1, "plain"), (1, "auto"), (3, "plain"), (3, "auto")}
+    assert all(r["total_tok_s"] > 0 and r["ttft_p50_s"] > 0 for r in rows.values())
+    assert rows[(1, "plain")]["rows_per_pass"] == pytest.approx(1.0)
+    assert rows[(3, "plain")]["rows_per_pass"] > 1.5  # the three clients shared passes
+    assert rows[(3, "auto")]["vs_plain"] > 0 and "3 clients:" in result["verdict"]
+    assert main([*argv[:-1]]) == 0  # the table
+    assert "clients | mode | total tok/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="client counts"):
+        main(["bench", *pair, "--concurrency", "four"])

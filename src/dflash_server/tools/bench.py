@@ -32,6 +32,9 @@ PROMPTS = {
 }
 
 
+DEFAULT_MODES = "plain,16,auto"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash-serve bench",
@@ -47,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
     p.add_argument(
         "--modes",
-        default="plain,16,auto",
+        default=DEFAULT_MODES,
         help="comma separated: plain, auto, or block sizes (default: plain,16,auto)",
     )
     p.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode (medians)")
@@ -55,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-window", type=int, help="as dflash-serve --draft-window")
     p.add_argument("--raw", action="store_true", help="prompts as raw text, no chat template")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument(
+        "--concurrency",
+        metavar="N[,N...]",
+        help="what N clients at once get (e.g. 1,4,8): the server's engine, N requests at a "
+        "time, plain batched decoding vs speculation (modes default to plain,auto)",
+    )
     return p
 
 
@@ -227,7 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from dflash_server.settings import Settings, SettingsError
 
+    if args.concurrency and args.modes == DEFAULT_MODES:
+        args.modes = "plain,auto"
     modes = parse_modes(args.modes)
+    levels = None
+    if args.concurrency:
+        from dflash_server.tools.bench_clients import parse_levels
+
+        levels = parse_levels(args.concurrency)
     prompts = read_prompts(args)
     try:
         settings = Settings.load(config=args.config, target=args.target, draft=args.draft)
@@ -250,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     first = next(iter(encoded.values()))
     decode_once(models, first[:64], "auto", argparse.Namespace(**{**vars(args), "max_tokens": 8}))
+    if levels is not None:
+        return _bench_clients(models, list(encoded.values()), levels, modes, args, settings)
     runs: dict[str, dict[str, list[Run]]] = {m: {p: [] for p in encoded} for m in modes}
     total = len(modes) * len(encoded) * args.repeats
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, leave=False) as bar:
@@ -281,6 +299,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"prompts: {', '.join(result['prompts'])}; {args.max_tokens} tokens each, "
           f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}")  # fmt: skip
     print(table(result))
+    print(result["verdict"])
+    return 0
+
+
+def _bench_clients(
+    models: Any, prompts: list[list[int]], levels: list[int], modes: list[str],
+    args: argparse.Namespace, settings: Any,
+) -> int:  # fmt: skip
+    from dflash_server.tools.bench_clients import clients_table, clients_verdict, run_clients
+
+    rows = run_clients(models, prompts, levels, modes, args, settings)
+    summary = models.summary
+    result = {"target": summary.target, "draft": summary.draft, "max_tokens": args.max_tokens,
+              "rows": rows, "verdict": clients_verdict(rows)}  # fmt: skip
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"target {summary.target} + drafter {summary.draft}; {args.max_tokens} tokens per "
+          f"client, {len(prompts)} prompts in turn, batching {settings.batching}, up to "
+          f"{rows[0]['max_active']} at once (the rest queue)")  # fmt: skip
+    print(clients_table(rows))
     print(result["verdict"])
     return 0
 
