@@ -40,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from common import write_json
 from dflash_server import load
 from dflash_server.generation.pair import SUFFIX_INDEX_BYTES, ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
@@ -361,8 +362,7 @@ def main() -> None:
                 summary[mode]["vs_dflash"] = round(summary[mode]["tok_s"] / best, 3)
         report["workloads"][name] = summary
         print(name, json.dumps(summary, indent=1), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_json(Path(args.json) if args.json else None, report)
 
 
 if __name__ == "__main__":
