@@ -384,3 +384,20 @@ def test_prefilled_together_with_a_prefix_cache(tiny_hybrid: tuple[Any, Any]) ->
         make(None)().generate(prompts[1] + [5, 6], 30)
     )
     assert hit.stats.cached_tokens >= len(system)
+
+
+def test_more_waiting_prompts_than_one_prefill_holds(target: tuple[Any, Any]) -> None:
+    """Prompts that do not all fit one chunk of padded tokens wait for later steps (in arrival
+    order) and still equal their lone runs."""
+    model, tokenizer = target
+    inner = random_drafter(model)
+    prompts = [list(tokenizer.encode(p))[:9] for p in [*PROMPTS, PROMPTS[0] + " x"]]
+    specs = {
+        i: (lambda: make_decoder(model, inner, 4, prefill_step_size=20), p, 12)
+        for i, p in enumerate(prompts)
+    }
+    out, batch = run_batched(model, specs)
+    for key, (make, prompt, n) in specs.items():
+        assert out[key] == tokens_of(make().generate(prompt, n)), key
+    assert batch.prefilled_together == len(prompts)  # two at a time: 2 x 9 <= 20 < 3 x 9
+    assert batch.waiting == []

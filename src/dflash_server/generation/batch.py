@@ -60,10 +60,8 @@ class _Row:
         self.error: Exception | None = None
 
     def take_first(self) -> _Cycle:
-        if self.error is not None:
+        if self.error is not None or self.first is None:
             raise RuntimeError(f"batched prefill failed: {self.error}") from self.error
-        if self.first is None:
-            raise RuntimeError("a waiting prompt was stepped before the batch prefilled it")
         return self.first
 
     def take(self) -> Commit:
@@ -121,7 +119,8 @@ class BatchDecoder:
         try:
             if self._prefills_together(decoder, prompt):
                 self.waiting.append((row, prompt))
-                yield PREFILL_CHUNK  # the next ``step`` prefills it, with the others waiting
+                while row.first is None and row.error is None:
+                    yield PREFILL_CHUNK  # a ``step`` prefills it with others, when it fits
                 first = row.take_first()
             else:
                 first = yield from decoder.prefill_steps(prompt)
