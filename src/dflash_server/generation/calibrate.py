@@ -155,7 +155,7 @@ def _calibrate(
     rounds: int = 2,
 ) -> None:
     """Start each width's residual from a short real decode at that width (plain steps and
-    cycles, interleaved over ``rounds``, the fastest of each): the loop's own host work per cycle (sync,
+    cycles, interleaved over ``rounds``, the lower quartile of each): the loop's own host work per cycle (sync,
     commit, bookkeeping) is what component timings miss, and it weighs differently by width."""
 
     def periods(width: int, cycles: int) -> list[float]:
@@ -176,9 +176,9 @@ def _calibrate(
     for _ in range(rounds):
         for width in widths:
             gaps[width] += periods(width, 6 if width == 1 else 3)
-    # The fastest cycle, not the median: a busy moment on a shared machine only adds time,
-    # and one that spans the calibration would otherwise steer every request's choices.
-    loop = {w: min(seconds) for w, seconds in gaps.items() if seconds}
+    # The lower quartile, not the median: a busy moment on a shared machine only adds time,
+    # and one that spans half the calibration would otherwise steer every request's choices.
+    loop = {w: _low(seconds) for w, seconds in gaps.items() if seconds}
     spec = _rising({w: t for w, t in loop.items() if w > 1})  # a wider cycle never costs less
     for width, seconds in {**loop, **spec}.items():
         costs.residual[width] = math.log(seconds / costs.base(width))
@@ -222,9 +222,15 @@ def _calibrate_copies(
             stamps.append(time.perf_counter())
             if len(stamps) == cycles + 2:
                 break
-        loop[width] = min(b - a for a, b in itertools.pairwise(stamps[1:]))  # as ``_calibrate``
+        loop[width] = _low([b - a for a, b in itertools.pairwise(stamps[1:])])  # as ``_calibrate``
     for width, seconds in _rising(loop).items():
         costs.verify_residual[width] = math.log(seconds / costs.base(width, drafted=False))
+
+
+def _low(seconds: list[float]) -> float:
+    """The lower quartile of some timings (the median of their faster half)."""
+    ordered = sorted(seconds)
+    return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
 def _rising(points: dict[int, float]) -> dict[int, float]:
