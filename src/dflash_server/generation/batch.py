@@ -35,15 +35,9 @@ from dflash_server.generation.batch_cache import BatchCache, batchable, rollback
 from dflash_server.generation.batch_draft import DraftRow, propose_rows
 from dflash_server.generation.batch_prefill import prefill_together
 from dflash_server.generation.controller import DRAFTER, PLAIN, SUFFIX, Choice
+from dflash_server.generation.cycle import FLUSH, PREFILL_CHUNK, Commit, Cycle, terminate
 from dflash_server.generation.sampling import point_mass
-from dflash_server.generation.speculative import (
-    _FLUSH,
-    PREFILL_CHUNK,
-    Commit,
-    SpeculativeDecoder,
-    _Cycle,
-    _terminate,
-)
+from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
 
 K = TypeVar("K")
@@ -55,11 +49,11 @@ class _Row:
     def __init__(self, decoder: SpeculativeDecoder, last: Any) -> None:
         self.decoder, self.last = decoder, last
         self.room = 0  # tokens it may still produce
-        self.first: _Cycle | None = None  # a batched prefill's first token
+        self.first: Cycle | None = None  # a batched prefill's first token
         self.inbox: Commit | None = None
         self.error: Exception | None = None
 
-    def take_first(self) -> _Cycle:
+    def take_first(self) -> Cycle:
         if self.error is not None or self.first is None:
             raise RuntimeError(f"batched prefill failed: {self.error}") from self.error
         return self.first
@@ -126,7 +120,7 @@ class BatchDecoder:
                 first = yield from decoder.prefill_steps(prompt)
             commit, row.last = decoder._read(first, first=True)
             while True:
-                commit = _terminate(commit, max_tokens - produced, eos_ids)
+                commit = terminate(commit, max_tokens - produced, eos_ids)
                 produced += len(commit.tokens)
                 decoder._committed(commit.tokens)
                 if commit.finish is not None:
@@ -291,19 +285,19 @@ class BatchDecoder:
     def _score(
         row: _Row, choice: Choice, logits: mx.array, taps: mx.array | None,
         drafts: Any, log_q: Any, history: Any,
-    ) -> _Cycle:  # fmt: skip
+    ) -> Cycle:  # fmt: skip
         """One row's cycle from its verify logits ([1, width, V]), as ``_queue_cycle``."""
         d, width = row.decoder, choice.size
         if width == 1:
             if d.draft is not None and taps is not None:
                 d._context.append(taps)  # a plain row's taps still feed its drafter
-                context = d._take_context() if len(d._context) >= _FLUSH else None
+                context = d._take_context() if len(d._context) >= FLUSH else None
                 if context is not None and d.draft_cache is not None:
                     d.draft.append_context(context, d.draft_cache)
             processed = d._finish_rows(logits[0], history, None)
             bonus = d.sampler.sample(processed)
             result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
-            return _Cycle(result, None, 1, d._logprobs(processed, bonus), PLAIN)
+            return Cycle(result, None, 1, d._logprobs(processed, bonus), PLAIN)
         copied = choice.source == SUFFIX
         path = drafts
         if d.constraint is not None:  # a constraint walks the verified path on the host
@@ -318,7 +312,7 @@ class BatchDecoder:
             emitted = mx.concatenate([drafts, bonus[None].astype(mx.int32)])
             emitted = mx.where(mx.arange(width) == accepted, bonus, emitted)
             logprobs = d._logprobs(processed, emitted)
-        return _Cycle(result, taps, width, logprobs, choice.source, choice.confidence)
+        return Cycle(result, taps, width, logprobs, choice.source, choice.confidence)
 
 
 def drive(

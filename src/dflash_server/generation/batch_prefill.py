@@ -19,14 +19,15 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from dflash_server.generation.batch_cache import BatchCache
+from dflash_server.generation.cycle import Cycle
 from dflash_server.generation.prefix import Checkpoint
-from dflash_server.generation.speculative import SpeculativeDecoder, _Cycle
+from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
 
 
 def prefill_together(
     target: TargetModel, decoders: list[SpeculativeDecoder], prompts: list[list[int]]
-) -> list[_Cycle]:
+) -> list[Cycle]:
     """Prefill cold prompts (no prefix-cache hit) as rows of one forward per segment; return
     each request's first-token cycle, its caches and drafter context filled in."""
     lengths = [len(p) for p in prompts]

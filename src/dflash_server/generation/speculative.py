@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -28,6 +27,7 @@ from dflash_server.generation.controller import (
     Choice,
     FixedBlock,
 )
+from dflash_server.generation.cycle import FLUSH, PREFILL_CHUNK, Commit, Cycle, terminate
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
 from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
 from dflash_server.generation.sampling import (
@@ -41,48 +41,7 @@ from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 
 __all__ = ["PREFILL_CHUNK", "Commit", "SpeculativeDecoder", "SpeculativeStats"]
-_FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
 _UNSEEN = object()  # the prefix cache was not asked yet
-
-
-@dataclass
-class Commit:
-    """Tokens committed together, with their log-probabilities when asked for.
-
-    ``finish`` is set on the last commit: "stop" (an EOS id, which is not in ``tokens``) or
-    "length" (``max_tokens`` reached).
-    """
-
-    tokens: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
-    finish: str | None = None
-    drafted: int = 0  # how many of the leading tokens are accepted drafts (the rest: target's)
-    source: str = DRAFTER  # where those drafts came from: the drafter or a suffix copy
-
-    def truncate(self, n: int, finish: str | None = None) -> Commit:
-        top = None if self.top_logprobs is None else self.top_logprobs[:n]
-        lps = self.logprobs and self.logprobs[:n]
-        return Commit(self.tokens[:n], lps, top, finish, min(self.drafted, n), self.source)
-
-
-PREFILL_CHUNK = Commit([])  # yielded between prompt chunks: no tokens, the prefill goes on
-
-
-@dataclass
-class _Cycle:
-    """A queued cycle: device results plus what the host needs to read them."""
-
-    result: mx.array  # [accepted, bonus, d1..d(B-1)]
-    taps: mx.array | None  # [1, B, L*H] tapped target features of the verify input
-    size: int  # B, positions fed to the target
-    logprobs: tuple[mx.array, mx.array | None, mx.array | None] | None = None  # per verify row
-    source: str = DRAFTER  # PLAIN, DRAFTER or SUFFIX
-    confidence: tuple[float, ...] = ()  # a suffix copy's, for the controller's trust
-
-    def arrays(self) -> list[mx.array]:
-        extra = [] if self.logprobs is None else [a for a in self.logprobs if a is not None]
-        return [self.result, *([] if self.taps is None else [self.taps]), *extra]
 
 
 class SpeculativeDecoder:
@@ -166,7 +125,7 @@ class SpeculativeDecoder:
     def _logprobs(self, logits: mx.array, emitted: mx.array) -> Any:
         return None if self.logprobs is None else token_logprobs(logits, emitted, self.logprobs)
 
-    def prefill(self, prompt: list[int]) -> _Cycle:
+    def prefill(self, prompt: list[int]) -> Cycle:
         """Feed the whole prompt (see ``prefill_steps``); return the first token's cycle."""
         steps = self.prefill_steps(prompt)
         while True:
@@ -175,7 +134,7 @@ class SpeculativeDecoder:
             except StopIteration as done:
                 return done.value
 
-    def prefill_steps(self, prompt: list[int]) -> Generator[Commit, None, _Cycle]:
+    def prefill_steps(self, prompt: list[int]) -> Generator[Commit, None, Cycle]:
         """Feed the prompt in chunks (after what the prefix cache restores), yielding
         ``PREFILL_CHUNK`` after each chunk but the last so a scheduler can run other work in
         between; return the first token as a (lazy) one-row cycle. With a prefix cache,
@@ -202,7 +161,7 @@ class SpeculativeDecoder:
 
     def _first_token(
         self, prompt: list[int], logits: mx.array, checkpoints: dict[int, Checkpoint]
-    ) -> _Cycle:
+    ) -> Cycle:
         """After the prompt's prefill: keep its snapshot (with a prefix cache) and start the
         first token's (lazy) one-row cycle from the last position's logits ([1, V])."""
         with mx.stream(generation_stream):
@@ -213,7 +172,7 @@ class SpeculativeDecoder:
             logits = self._finish_rows(logits, self._history_tail(), None)
             first = self.sampler.sample(logits)
             result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
-        return _Cycle(result, None, 1, self._logprobs(logits, first))
+        return Cycle(result, None, 1, self._logprobs(logits, first))
 
     def prefix_hit(self, prompt: list[int]) -> tuple[PromptSnapshot, int] | None:
         """The prefix cache's longest restorable prefix of ``prompt`` (looked up once: a
@@ -268,21 +227,21 @@ class SpeculativeDecoder:
             return None
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
 
-    def _plain_step(self, last: mx.array, history: mx.array | None) -> _Cycle:
+    def _plain_step(self, last: mx.array, history: mx.array | None) -> Cycle:
         self._apply_rollback()
         logits, taps = self.target.forward(last[None], self.cache, slice(None))
         if self.draft is not None and taps is not None:
             # The drafter needs every committed position; batch plain steps' taps.
             self._context.append(taps)
-            if len(self._context) >= _FLUSH:
+            if len(self._context) >= FLUSH:
                 self.draft.append_context(_tapped(self._take_context()), _ctx(self.draft_cache))
         logits = self._finish_rows(_rows(logits)[0], history, None)
         bonus = self.sampler.sample(logits)
         result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
         self._timed("plain", result)
-        return _Cycle(result, None, 1, self._logprobs(logits, bonus), PLAIN)
+        return Cycle(result, None, 1, self._logprobs(logits, bonus), PLAIN)
 
-    def _queue_cycle(self, last: mx.array, choice: Choice | int) -> _Cycle:
+    def _queue_cycle(self, last: mx.array, choice: Choice | int) -> Cycle:
         """Build (lazily) and start one cycle of ``choice.size`` positions (1: a plain step);
         a bare width means the drafter's block of that width."""
         if isinstance(choice, int):
@@ -321,7 +280,7 @@ class SpeculativeDecoder:
                 emitted = mx.where(mx.arange(size) == accepted, bonus, emitted)
                 logprobs = self._logprobs(logits, emitted)
             self._timed("verify", result, taps)
-        cycle = _Cycle(result, taps, size, logprobs, choice.source, choice.confidence)
+        cycle = Cycle(result, taps, size, logprobs, choice.source, choice.confidence)
         mx.async_eval(*cycle.arrays())
         return cycle
 
@@ -344,7 +303,7 @@ class SpeculativeDecoder:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _read(self, cycle: _Cycle, first: bool = False) -> tuple[Commit, mx.array]:
+    def _read(self, cycle: Cycle, first: bool = False) -> tuple[Commit, mx.array]:
         """Sync on a cycle and commit its tokens; queue the caches' rollback for the next
         cycle and feed the policy; return (commit, next anchor)."""
         values = cast("list[int]", cycle.result.tolist())  # the one host sync per cycle
@@ -416,10 +375,10 @@ class SpeculativeDecoder:
         # speculative cycle waits for the read: it needs the step's taps, and on CPU queueing
         # it early would run it inside the step's timing, misleading the "auto" cost model.
         lookahead = not self.sampler.processors and self.constraint is None
-        queued: _Cycle | None = None
+        queued: Cycle | None = None
         planned: Choice | None = None  # the choice made during a lookahead, not yet queued
         while True:
-            commit = _terminate(commit, max_tokens - produced, eos_ids)
+            commit = terminate(commit, max_tokens - produced, eos_ids)
             produced += len(commit.tokens)
             self._committed(commit.tokens)
             if commit.finish is not None:
@@ -457,16 +416,6 @@ class SpeculativeDecoder:
         if self.suffix is None or not self.suffix.matches():
             return False
         return cast(BlockController, self.policy).might_copy()
-
-
-def _terminate(commit: Commit, room: int, eos_ids: set[int] | frozenset[int]) -> Commit:
-    """Cut a commit at its first EOS ("stop", EOS dropped) or at ``room`` tokens ("length")."""
-    for i, token in enumerate(commit.tokens[:room]):
-        if token in eos_ids:
-            return commit.truncate(i, "stop")
-    if len(commit.tokens) >= room:
-        return commit.truncate(room, "length")
-    return commit
 
 
 # Narrowing for the type checker only: which values exist follows from whether a drafter runs.

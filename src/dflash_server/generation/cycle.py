@@ -1,0 +1,66 @@
+"""What one draft/verify cycle hands back: the queued device results, and the committed tokens.
+
+``Cycle`` is a cycle in flight (its arrays evaluate asynchronously; reading ``result`` is the one
+host sync); ``Commit`` the tokens it committed, as the decoder yields them. Shared by the lone
+decoder (``speculative.py``) and the batched one (``batch.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from dflash_server.generation.controller import DRAFTER
+
+FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
+
+
+@dataclass
+class Commit:
+    """Tokens committed together, with their log-probabilities when asked for.
+
+    ``finish`` is set on the last commit: "stop" (an EOS id, which is not in ``tokens``) or
+    "length" (``max_tokens`` reached).
+    """
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
+    finish: str | None = None
+    drafted: int = 0  # how many of the leading tokens are accepted drafts (the rest: target's)
+    source: str = DRAFTER  # where those drafts came from: the drafter or a suffix copy
+
+    def truncate(self, n: int, finish: str | None = None) -> Commit:
+        top = None if self.top_logprobs is None else self.top_logprobs[:n]
+        lps = self.logprobs and self.logprobs[:n]
+        return Commit(self.tokens[:n], lps, top, finish, min(self.drafted, n), self.source)
+
+
+PREFILL_CHUNK = Commit([])  # yielded between prompt chunks: no tokens, the prefill goes on
+
+
+@dataclass
+class Cycle:
+    """A queued cycle: device results plus what the host needs to read them."""
+
+    result: mx.array  # [accepted, bonus, d1..d(B-1)]
+    taps: mx.array | None  # [1, B, L*H] tapped target features of the verify input
+    size: int  # B, positions fed to the target
+    logprobs: tuple[mx.array, mx.array | None, mx.array | None] | None = None  # per verify row
+    source: str = DRAFTER  # PLAIN, DRAFTER or SUFFIX
+    confidence: tuple[float, ...] = ()  # a suffix copy's, for the controller's trust
+
+    def arrays(self) -> list[mx.array]:
+        extra = [] if self.logprobs is None else [a for a in self.logprobs if a is not None]
+        return [self.result, *([] if self.taps is None else [self.taps]), *extra]
+
+
+def terminate(commit: Commit, room: int, eos_ids: set[int] | frozenset[int]) -> Commit:
+    """Cut a commit at its first EOS ("stop", EOS dropped) or at ``room`` tokens ("length")."""
+    for i, token in enumerate(commit.tokens[:room]):
+        if token in eos_ids:
+            return commit.truncate(i, "stop")
+    if len(commit.tokens) >= room:
+        return commit.truncate(room, "length")
+    return commit
