@@ -157,11 +157,7 @@ def stall(setup: Setup, mode: str, long: int, chunk: int, tau: int) -> dict:
             source = (batch.join(long_decoder, long_prompt, 1) if mode == "batched"
                       else long_decoder.generate(long_prompt, 1, yield_chunks=True))  # fmt: skip
             gens["long"], long_started = source, time.perf_counter()
-        t0 = time.perf_counter()
-        if mode == "batched":
-            batch.step()
-            pass_s.append(time.perf_counter() - t0)
-        for key, g in list(gens.items()):
+        for key, g in list(gens.items()):  # as the engine: every stream's step, then the pass
             t1 = time.perf_counter()
             item = next(g)
             if key == "long":
@@ -170,6 +166,10 @@ def stall(setup: Setup, mode: str, long: int, chunk: int, tau: int) -> dict:
                     done = True
             elif mode == "interleave":
                 pass_s.append(time.perf_counter() - t1)
+        t0 = time.perf_counter()
+        if mode == "batched":
+            batch.step()
+            pass_s.append(time.perf_counter() - t0)
         rounds += 1
     for g in gens.values():
         g.close()
