@@ -217,7 +217,7 @@ def test_sampling_is_exact_with_changing_widths(tiny_hybrid):
     """Joint law of the first 3 tokens when cycles switch between widths (cf. test_sampling)."""
     from collections import Counter
 
-    from tests.test_sampling import total_variation, tv_tolerance
+    from tests.test_sampling import exact_law, total_variation, tv_tolerance
 
     model, tokenizer = tiny_hybrid
     prompt = tokenizer.encode("The quick brown")
@@ -225,21 +225,7 @@ def test_sampling_is_exact_with_changing_widths(tiny_hybrid):
     inner = random_drafter(model, block_size=4)
     target = TargetModel(model, inner.config.target_layer_ids)
 
-    def law(prefix: list[int]) -> dict[int, float]:
-        sampler = TokenSampler(params)
-        logits = target.forward(
-            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
-        )[0]
-        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
-        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
-        return {i: v for i, v in enumerate(probs) if v > 0}
-
-    exact = {
-        (t0, t1, t2): p0 * p1 * p2
-        for t0, p0 in law([]).items()
-        for t1, p1 in law([t0]).items()
-        for t2, p2 in law([t0, t1]).items()
-    }
+    exact = exact_law(model, prompt, params)
     best = max(exact, key=exact.get)
     n, counts = 500, Counter()
     for seed in range(n):

@@ -229,28 +229,13 @@ def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> Non
     """Joint law of 3 tokens per row, rows batched 8 at a time, against the exact law."""
     from collections import Counter
 
-    from test_sampling import total_variation, tv_tolerance
+    from test_sampling import exact_law, total_variation, tv_tolerance
 
     model, tokenizer = tiny_hybrid
     prompt = list(tokenizer.encode("The quick brown"))
     params = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
     inner = random_drafter(model, block_size=4)
-    target = TargetModel(model, tuple(inner.config.target_layer_ids))
-
-    def law(prefix: list[int]) -> dict[int, float]:
-        sampler = TokenSampler(params)
-        logits = target.forward(
-            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
-        )[0]
-        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
-        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
-        return {i: v for i, v in enumerate(probs) if v > 0}
-
-    exact: dict[tuple[int, ...], float] = {}
-    for t0, p0 in law([]).items():
-        for t1, p1 in law([t0]).items():
-            for t2, p2 in law([t0, t1]).items():
-                exact[(t0, t1, t2)] = p0 * p1 * p2
+    exact = exact_law(model, prompt, params)
     best = max(exact, key=exact.get)
     n, counts = 480, Counter()
     for first in range(0, n, 8):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -47,17 +48,21 @@ class NoMultipleOfThree:
     def commit(self, tokens: Sequence[int]) -> None:
         self.last = tokens[-1]
 
+    def processor(self) -> Any:
+        """The same rule as an mlx-lm logits processor, for plain-decoding references."""
+
+        def apply(history: mx.array, logits: mx.array) -> mx.array:
+            return mx.where(self.row(history[-1].item())[None], logits, -mx.inf)
+
+        return apply
+
 
 def test_constraint_is_lossless_and_enforced(tiny_attn):
     model, tokenizer = tiny_attn
     ids = tokenizer.encode(PROMPT)
     vocab = model.model.embed_tokens.weight.shape[0]
     rule = NoMultipleOfThree(vocab, ids[-1])
-
-    def processor(history: mx.array, logits: mx.array) -> mx.array:
-        return mx.where(rule.row(history[-1].item())[None], logits, -mx.inf)
-
-    steps = generate_step(mx.array(ids), model, max_tokens=N, logits_processors=[processor])
+    steps = generate_step(mx.array(ids), model, max_tokens=N, logits_processors=[rule.processor()])
     reference = [t for t, _ in steps]
     assert reference != [t for t, _ in generate_step(mx.array(ids), model, max_tokens=N)]
     for draft in (

@@ -29,6 +29,28 @@ def tv_tolerance(support: int, n: int, factor: float = 3.0) -> float:
     return factor * 0.5 * math.sqrt(2 * support / (math.pi * n))
 
 
+def exact_law(model, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """The exact joint law of the first 3 sampled tokens: every prefix of the support enumerated
+    (keep the support small: top_k)."""
+    target = TargetModel(model, ())
+
+    def law(prefix: list[int]) -> dict[int, float]:
+        sampler = TokenSampler(params)
+        logits = target.forward(
+            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
+        )[0]
+        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
+        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
+        return {i: v for i, v in enumerate(probs) if v > 0}
+
+    return {
+        (t0, t1, t2): p0 * p1 * p2
+        for t0, p0 in law([]).items()
+        for t1, p1 in law([t0]).items()
+        for t2, p2 in law([t0, t1]).items()
+    }
+
+
 def test_acceptance_rule_reproduces_target_distribution():
     """Unit check of accept(): first emitted token ~ p, whatever q proposes."""
     p = mx.log(mx.array([[0.5, 0.3, 0.15, 0.05, 0.0], [0.1, 0.2, 0.3, 0.2, 0.2]]) + 1e-30)
@@ -56,21 +78,7 @@ def test_speculative_sampling_matches_target_distribution(tiny_hybrid):
     inner = random_drafter(model, block_size=4)
     target = TargetModel(model, inner.config.target_layer_ids)
 
-    # Exact probabilities by enumerating every prefix of the top-k support.
-    def law(prefix: list[int]) -> dict[int, float]:
-        sampler = TokenSampler(params)
-        logits = target.forward(
-            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
-        )[0]
-        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
-        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
-        return {i: v for i, v in enumerate(probs) if v > 0}
-
-    exact: dict[tuple[int, ...], float] = {}
-    for t0, p0 in law([]).items():
-        for t1, p1 in law([t0]).items():
-            for t2, p2 in law([t0, t1]).items():
-                exact[(t0, t1, t2)] = p0 * p1 * p2
+    exact = exact_law(model, prompt, params)
 
     n, counts = 600, Counter()  # seeded: deterministic, ~10 s
     best = max(exact, key=exact.get)

@@ -21,7 +21,7 @@ from dflash_server.generation.suffix import SharedSuffixIndex, SuffixProposer, T
 from dflash_server.generation.target import TargetModel
 from dflash_server.testing import random_drafter
 from test_logprobs_constraints import NoMultipleOfThree
-from test_sampling import total_variation, tv_tolerance
+from test_sampling import exact_law, total_variation, tv_tolerance
 
 N = 60
 REPEATED = "def add(a, b):\n    return a + b\n\n" * 3 + "def add("
@@ -130,12 +130,7 @@ def test_constrained_copies_equal_plain_decoding(tiny_attn: Any) -> None:
     model, tokenizer = tiny_attn
     ids = tokenizer.encode(REPEATED)
     vocab = model.model.embed_tokens.weight.shape[0]
-    rule = NoMultipleOfThree(vocab, ids[-1])
-
-    def processor(history: mx.array, logits: mx.array) -> mx.array:
-        return mx.where(rule.row(history[-1].item())[None], logits, -mx.inf)
-
-    reference = plain(model, ids, N, [processor])
+    reference = plain(model, ids, N, [NoMultipleOfThree(vocab, ids[-1]).processor()])
     shared = SharedSuffixIndex(1 << 20)
     shared.add(reference)
     for _ in range(2):
@@ -168,23 +163,7 @@ LAW_PARAMS = SamplingParams(temperature=1.5, top_k=2, repetition_penalty=1.2)
 
 def three_token_law(model: Any, prompt: list[int]) -> dict[tuple[int, ...], float]:
     """The exact joint law of the first 3 sampled tokens under ``LAW_PARAMS``."""
-    target = TargetModel(model, ())
-
-    def law(prefix: list[int]) -> dict[int, float]:
-        sampler = TokenSampler(LAW_PARAMS)
-        logits = target.forward(
-            mx.array(prompt + prefix)[None], target.make_cache(), slice(-1, None)
-        )[0]
-        logits = sampler.process(logits[0], mx.array((prompt + prefix)[-20:]))
-        probs = mx.exp(sampler.logprobs(logits))[0].tolist()
-        return {i: v for i, v in enumerate(probs) if v > 0}
-
-    exact: dict[tuple[int, ...], float] = {}
-    for t0, p0 in law([]).items():
-        for t1, p1 in law([t0]).items():
-            for t2, p2 in law([t0, t1]).items():
-                exact[(t0, t1, t2)] = p0 * p1 * p2
-    return exact
+    return exact_law(model, prompt, LAW_PARAMS)
 
 
 def likeliest_copies(prompt: list[int], exact: dict[tuple[int, ...], float]) -> SharedSuffixIndex:
@@ -290,12 +269,7 @@ def test_batched_rows_copy_and_equal_plain_decoding(target: Any, max_verify: int
     other = tokenizer.encode("The quick brown fox")
     vocab = model.model.embed_tokens.weight.shape[0]
     reference, other_ref = plain(model, ids), plain(model, other)
-    rule = NoMultipleOfThree(vocab, ids[-1])
-
-    def processor(history: mx.array, logits: mx.array) -> mx.array:
-        return mx.where(rule.row(history[-1].item())[None], logits, -mx.inf)
-
-    constrained_ref = plain(model, ids, N, [processor])
+    constrained_ref = plain(model, ids, N, [NoMultipleOfThree(vocab, ids[-1]).processor()])
     shared = SharedSuffixIndex(1 << 20)
     shared.add(reference)  # an earlier request's output: copies wider than a drafter block
     shared.add(constrained_ref)

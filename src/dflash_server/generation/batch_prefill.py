@@ -86,11 +86,12 @@ def _row(cache: BatchCache, i: int) -> list[ArraysCache]:
 
 
 def _fill(own: list[Any], cache: BatchCache, i: int, length: int) -> None:
-    """Load row ``i`` (``length`` tokens, at columns 0..length) into a request's fresh caches."""
+    """Load row ``i`` (``length`` tokens, at columns 0..length) into a request's fresh caches
+    (views: joining the batch copies them once, and a snapshot takes its own copy)."""
     for mine, batched in zip(own, cache.layers):
         if isinstance(mine, KVCache):
-            mine.keys = mx.contiguous(batched.keys[i : i + 1, :, :length])
-            mine.values = mx.contiguous(batched.values[i : i + 1, :, :length])
+            mine.keys = batched.keys[i : i + 1, :, :length]
+            mine.values = batched.values[i : i + 1, :, :length]
             mine.offset = length
         else:
             mine.cache = [None if x is None else x[i : i + 1] for x in batched.cache]
