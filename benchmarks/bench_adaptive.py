@@ -32,7 +32,9 @@ from common import (
 )
 from dflash_server import load
 from dflash_server.generation.calibrate import measure_costs
-from dflash_server.generation.controller import BlockController, FixedBlock, SharedPrior
+from dflash_server.generation.controller import BlockController, SharedPrior
+from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -42,8 +44,6 @@ from dflash_server.testing import ReplayDrafter
 def ours(target, draft, prompt, n, mode, costs, prior) -> tuple[list[int], float, dict]:
     """Decode tokens/s of one mode: 'plain', a width, 'auto' (starting from the pair's shared
     prior, as the server runs it) or 'auto-cold' (a fresh prior: a first request)."""
-    if isinstance(draft, ReplayDrafter):
-        draft.cycle = 0
     policy, width = None, 1
     if mode.startswith("auto"):
         shared = prior if mode == "auto" else None
@@ -51,10 +51,12 @@ def ours(target, draft, prompt, n, mode, costs, prior) -> tuple[list[int], float
     elif mode != "plain":
         width = int(mode)
     decoder = SpeculativeDecoder(
-        target,
-        None if mode == "plain" else draft,
-        TokenSampler(SamplingParams(), 0),
-        policy or FixedBlock(width),
+        Row(
+            target,
+            None if mode == "plain" else draft,
+            TokenSampler(SamplingParams(), 0),
+            policy or FixedBlock(width),
+        )
     )
     tokens, rate = decode_rate(decoder.generate(prompt, n))
     return tokens, rate, decoder.stats.as_dict()

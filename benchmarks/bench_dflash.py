@@ -27,7 +27,8 @@ from mlx_lm.generate import generate_step
 
 from common import PROMPT, bench_target, published_drafter, timed, write_json
 from dflash_server import load, load_draft
-from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -102,14 +103,14 @@ def run_dflash(model, draft, prompt, n, block, repeats) -> tuple[list[int], floa
     for _ in range(repeats):
         if isinstance(draft, ReplayDrafter):
             draft.cycle = 0
-        decoder = SpeculativeDecoder(target, draft, sampler, FixedBlock(block))
+        decoder = SpeculativeDecoder(Row(target, draft, sampler, FixedBlock(block)))
         start, tokens = None, []
         for commit in decoder.generate(prompt, n):
             if start is None:
                 start = time.perf_counter()  # exclude prefill, as for plain decoding
             tokens.extend(commit.tokens)
         runs.append((len(tokens) - 1) / (time.perf_counter() - start))
-    profiled = SpeculativeDecoder(target, draft, sampler, FixedBlock(block), profile=True)
+    profiled = SpeculativeDecoder(Row(target, draft, sampler, FixedBlock(block), profile=True))
     if isinstance(draft, ReplayDrafter):
         draft.cycle = 0
     for _ in profiled.generate(prompt, n):

@@ -21,7 +21,8 @@ from pathlib import Path
 from common import PROMPT, bench_target, published_drafter, write_json
 from dflash_server import load
 from dflash_server.chat.structured import GrammarConstraint, response_format_grammar
-from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -68,11 +69,13 @@ def decode(model, tokenizer, draft, prompt, n, block, grammar):
         constraint.allowed = timed_allowed
     sampler = TokenSampler(SamplingParams(temperature=0.0), seed=0)
     decoder = SpeculativeDecoder(
-        TargetModel(model, layers),
-        draft,
-        sampler,
-        FixedBlock(block if draft else 1),
-        constraint=constraint,
+        Row(
+            TargetModel(model, layers),
+            draft,
+            sampler,
+            FixedBlock(block if draft else 1),
+            constraint=constraint,
+        )
     )
     eos = set(tokenizer.eos_token_ids)
     start, tokens = None, []

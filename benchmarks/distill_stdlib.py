@@ -179,7 +179,9 @@ def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
     """Decode tokens/s per held-out prompt: plain, the fixed trained block and ``auto``
     (interleaved, medians of ``repeats``; the same tokens asserted)."""
     from dflash_server.generation.calibrate import measure_costs
-    from dflash_server.generation.controller import BlockController, FixedBlock, SharedPrior
+    from dflash_server.generation.controller import BlockController, SharedPrior
+    from dflash_server.generation.policy import FixedBlock
+    from dflash_server.generation.row import Row
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
     from dflash_server.generation.speculative import SpeculativeDecoder
     from dflash_server.generation.target import TargetModel
@@ -192,7 +194,7 @@ def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
     def run(prompt, mode):
         d, width, auto = modes[mode]
         policy = BlockController(width, costs.copy(), prior=prior) if auto else FixedBlock(width)
-        decoder = SpeculativeDecoder(target, d, TokenSampler(SamplingParams(), 0), policy)
+        decoder = SpeculativeDecoder(Row(target, d, TokenSampler(SamplingParams(), 0), policy))
         tokens, start = [], None
         for commit in decoder.generate(list(prompt), n):
             start = start or time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -12,6 +13,8 @@ from dflash_server import stream_generate
 from dflash_server.generation.controller import AcceptanceModel, BlockController
 from dflash_server.generation.costs import CostModel
 from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.policy import Choice, FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -29,24 +32,19 @@ def costs(
     return CostModel(plain=plain, verify=verify, draft={2: draft, 16: draft}, refine=refine)
 
 
-class Scripted:
+class Scripted(FixedBlock):
     """A policy that plays a fixed sequence of widths (cycled), whatever happens."""
 
     adaptive = True
 
     def __init__(self, sizes: list[int], block_size: int = 16):
-        self.sizes, self.block_size, self.i = sizes, block_size, 0
+        super().__init__(block_size)
+        self.sizes, self.i = sizes, 0
 
-    def next_size(self, room: int) -> int:
+    def choose(self, room: int, proposal: Any = None) -> Choice:
         size = self.sizes[self.i % len(self.sizes)]
         self.i += 1
-        return max(1, min(size, room))
-
-    def observe(self, size: int, accepted: int, seconds: float | None) -> None:
-        pass
-
-    def estimate(self) -> None:
-        return None
+        return Choice.width(max(1, min(size, room)))
 
 
 def plain(model, ids, n=N) -> list[int]:
@@ -56,7 +54,7 @@ def plain(model, ids, n=N) -> list[int]:
 def decode(model, draft, ids, policy, n=N, params=None, seed=0):
     target = TargetModel(model, draft.config.target_layer_ids)
     sampler = TokenSampler(params or SamplingParams(), seed)
-    decoder = SpeculativeDecoder(target, draft, sampler, policy)
+    decoder = SpeculativeDecoder(Row(target, draft, sampler, policy))
     tokens = [t for commit in decoder.generate(ids, n) for t in commit.tokens]
     return tokens, decoder.stats
 
@@ -233,7 +231,7 @@ def test_sampling_is_exact_with_changing_widths(tiny_hybrid):
         # The width depends on the seed: plain first, a 2-wide block, or a 3-wide one.
         script = [[1, 2], [2, 1], [3], [1, 1]][seed % 4]
         decoder = SpeculativeDecoder(
-            target, draft, TokenSampler(params, seed=seed), Scripted(script, 4)
+            Row(target, draft, TokenSampler(params, seed=seed), Scripted(script, 4))
         )
         counts[tuple(t for commit in decoder.generate(prompt, 3) for t in commit.tokens)] += 1
     assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)

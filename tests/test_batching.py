@@ -8,10 +8,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_server.generation.batch import BatchDecoder, drive
-from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.batch import BatchDecoder
+from dflash_server.generation.cycle import PREFILL_CHUNK, Commit
+from dflash_server.generation.policy import Choice, FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
-from dflash_server.generation.speculative import PREFILL_CHUNK, SpeculativeDecoder
+from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
 from dflash_server.testing import ReplayDrafter, random_drafter
 
@@ -27,48 +29,63 @@ def plain_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
 
 
-class Scripted:
+class Scripted(FixedBlock):
     """A block policy that follows a fixed list of widths (then repeats the last)."""
 
-    adaptive = False
-
     def __init__(self, widths: list[int]) -> None:
+        super().__init__(max(widths))
         self.widths, self.i = widths, 0
-        self.block_size = max(widths)
 
-    def next_size(self, room: int) -> int:
+    def choose(self, room: int, proposal: Any = None) -> Choice:
         w = self.widths[min(self.i, len(self.widths) - 1)]
         self.i += 1
-        return max(1, min(w, room))
-
-    def observe(self, size: int, accepted: int, seconds: float | None) -> None:
-        pass
-
-    def estimate(self) -> None:
-        return None
+        return Choice.width(max(1, min(w, room)))
 
 
 def make_decoder(model: Any, draft: Any, block: int, **kw: Any) -> SpeculativeDecoder:
     taps = draft.config.target_layer_ids if draft is not None else ()
     sampler = TokenSampler(kw.pop("sampling", SamplingParams()), kw.pop("seed", None))
     policy = kw.pop("policy", None) or FixedBlock(block)
-    return SpeculativeDecoder(TargetModel(model, tuple(taps)), draft, sampler, policy, **kw)
+    return SpeculativeDecoder(Row(TargetModel(model, tuple(taps)), draft, sampler, policy, **kw))
 
 
 def tokens_of(commits: Any) -> list[int]:
-    return [t for c in commits if c is not PREFILL_CHUNK for t in c.tokens]
+    return [t for c in commits for t in c.tokens]
+
+
+def step_rows(
+    batch: BatchDecoder, specs: dict[Any, tuple], start: dict[Any, int] | None = None
+) -> dict[Any, list[Commit]]:
+    """specs: key -> (row, prompt, max_tokens); each row joins at its ``start`` round (default
+    0), then the batch steps until every row is done, as the engine runs it. Key -> commits."""
+    start = start or {}
+    waiting, keys = dict(specs), {}
+    out: dict[Any, list[Commit]] = {k: [] for k in specs}
+    rounds = 0
+    while waiting or batch.busy:
+        for key in [k for k in waiting if start.get(k, 0) <= rounds]:
+            row, prompt, n = waiting.pop(key)
+            keys[row] = key
+            batch.add(row, prompt, n)
+        for row, outcome in batch.step().items():
+            assert not isinstance(outcome, Exception), outcome
+            if outcome is not PREFILL_CHUNK:
+                out[keys[row]].append(outcome)
+        rounds += 1
+    return out
+
+
+def new_batch(model: Any, max_verify: int | None = None) -> BatchDecoder:
+    inner = random_drafter(model)
+    return BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)), max_verify)
 
 
 def run_batched(model: Any, specs: dict[str, tuple], start: dict[str, int] | None = None):
     """specs: key -> (decoder factory, prompt, max_tokens); returns key -> tokens, and the batch."""
-    inner = random_drafter(model)
-    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
-    streams = {k: batch.join(make(), prompt, n) for k, (make, prompt, n) in specs.items()}
-    out: dict[str, list[int]] = {k: [] for k in specs}
-    for key, commit in drive(batch, streams, start):
-        if commit is not PREFILL_CHUNK:
-            out[key].extend(commit.tokens)
-    return out, batch
+    batch = new_batch(model)
+    rows = {k: (make().row, prompt, n) for k, (make, prompt, n) in specs.items()}
+    commits = step_rows(batch, rows, start)
+    return {k: tokens_of(c) for k, c in commits.items()}, batch
 
 
 def test_rows_joining_and_leaving_equal_lone_runs(target: tuple[Any, Any]) -> None:
@@ -100,14 +117,8 @@ def test_rows_joining_and_leaving_equal_lone_runs(target: tuple[Any, Any]) -> No
 
 def collect(model: Any, specs: dict[str, tuple], start: dict[str, int] | None = None):
     """Like ``run_batched`` but keeps the commits (for logprobs)."""
-    inner = random_drafter(model)
-    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
-    streams = {k: batch.join(make(), prompt, n) for k, (make, prompt, n) in specs.items()}
-    out: dict[str, list[Any]] = {k: [] for k in specs}
-    for key, commit in drive(batch, streams, start):
-        if commit is not PREFILL_CHUNK:
-            out[key].append(commit)
-    return out
+    rows = {k: (make().row, prompt, n) for k, (make, prompt, n) in specs.items()}
+    return step_rows(new_batch(model), rows, start)
 
 
 def test_logprobs_penalties_and_constraints_per_row(tiny_hybrid: tuple[Any, Any]) -> None:
@@ -148,28 +159,21 @@ def test_cancelled_row_leaves_and_others_go_on(target: tuple[Any, Any]) -> None:
     model, tokenizer = target
     inner = random_drafter(model)
     ids = [list(tokenizer.encode(p)) for p in PROMPTS]
-    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
+    batch = new_batch(model)
     makes = [lambda: make_decoder(model, inner, 4), lambda: make_decoder(model, inner, 8),
              lambda: make_decoder(model, None, 1)]  # fmt: skip
-    streams = [batch.join(make(), p, 40) for make, p in zip(makes, ids)]
+    rows = [make().row for make in makes]
+    for row, p in zip(rows, ids):
+        batch.add(row, p, 40)
     out: list[list[int]] = [[], [], []]
     rounds = 0
-    while any(s is not None for s in streams):
-        batch.step()
-        for i, stream in enumerate(streams):
-            if stream is None:
-                continue
-            if i == 1 and rounds == 5:  # the client went away: its row leaves mid-stream
-                stream.close()
-                streams[i] = None
-                assert len(batch.rows) == 2
-                continue
-            try:
-                commit = next(stream)
-            except StopIteration:
-                streams[i] = None
-                continue
-            out[i].extend([] if commit is PREFILL_CHUNK else commit.tokens)
+    while batch.busy:
+        if rounds == 5:  # the client went away: its row leaves mid-stream
+            batch.remove(rows[1])
+            assert len(batch.rows) == 2
+        for row, commit in batch.step().items():
+            assert not isinstance(commit, Exception), commit
+            out[rows.index(row)].extend(commit.tokens)
         rounds += 1
     for i in (0, 2):
         assert out[i] == tokens_of(makes[i]().generate(ids[i], 40))
@@ -253,7 +257,8 @@ def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> Non
 def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) -> None:
     """Rows with different context lengths and widths, drafted together: each row's draft
     distribution (log q) and drafts equal its own pass; the context caches end the same."""
-    from dflash_server.generation.batch_draft import DraftRow, propose_rows
+    from dflash_server.generation.batch_draft import propose_rows
+    from dflash_server.generation.protocols import DraftRow
     from dflash_server.models.window import apply_draft_window
 
     model, _ = tiny_hybrid
@@ -284,21 +289,22 @@ def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) ->
 
 def test_verify_budget_caps_widths_where_the_batch_gains(tiny_hybrid: tuple[Any, Any]) -> None:
     from dflash_server.generation.batch_budget import PassCosts, choose_widths
-    from dflash_server.generation.controller import BlockController, Choice
+    from dflash_server.generation.controller import BlockController
     from dflash_server.generation.costs import CostModel
+    from dflash_server.generation.policy import Choice
 
     model, _ = tiny_hybrid
     inner = random_drafter(model)
     one = CostModel(plain=0.01, verify={2: 0.011, 16: 0.02}, draft={2: 0.002, 16: 0.004})
 
-    def row(rate: float) -> SpeculativeDecoder:
+    def row(rate: float) -> Row:
         policy = BlockController(16, one.copy())
         policy.acceptance.rate = rate
         policy.acceptance.tried = [0.0] * 15
-        return make_decoder(model, inner, 16, policy=policy)
+        return make_decoder(model, inner, 16, policy=policy).row
 
-    fixed = make_decoder(model, inner, 8)
-    rows = [row(0.9), row(0.9), fixed, make_decoder(model, None, 1)]
+    fixed = make_decoder(model, inner, 8).row
+    rows = [row(0.9), row(0.9), fixed, make_decoder(model, None, 1).row]
     wanted = [16, 12, 8, 1]
     choices = [Choice.width(w) for w in wanted]
     # Compute-bound passes: wide verifies cost rows x width, so plain rows win (the fixed row
@@ -324,10 +330,12 @@ def test_prompts_prefilled_together_equal_lone_prefills(target: tuple[Any, Any])
     model, tokenizer = target
     inner = random_drafter(model)
     prompts = [list(tokenizer.encode(p)) for p in [*PROMPTS, "x"]]
-    lone = [make_decoder(model, inner, 8, logprobs=2) for _ in prompts]
-    together = [make_decoder(model, inner, 8, logprobs=2) for _ in prompts]
-    want = [d.prefill(p) for d, p in zip(lone, prompts)]
-    got = prefill_together(together[0].target, together, prompts)
+    lone = [make_decoder(model, inner, 8, logprobs=2).row for _ in prompts]
+    together = [make_decoder(model, inner, 8, logprobs=2).row for _ in prompts]
+    for row, p in zip([*lone, *together], [*prompts, *prompts]):
+        row.begin(p, 8)
+    want = [row.prefill() for row in lone]
+    got = prefill_together(together[0].target, together)
     for a, b, la, lb in zip(got, want, together, lone):
         assert a.result.tolist() == b.result.tolist()
         assert mx.allclose(a.logprobs[0], b.logprobs[0], atol=1e-4).item()

@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 
 from dflash_server import DFlashDraftModel, load_draft, stream_generate
-from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -424,7 +425,9 @@ def test_sampled_decoding_follows_the_target(tiny_hybrid):
     double = planted(draft, model, {len(prompt) + 1: best[1]}, bias=3.0, keep=0.1)
     n, counts, accepted = 600, Counter(), 0
     for seed in range(n):
-        decoder = SpeculativeDecoder(target, double, TokenSampler(params, seed=seed), FixedBlock(4))
+        decoder = SpeculativeDecoder(
+            Row(target, double, TokenSampler(params, seed=seed), FixedBlock(4))
+        )
         counts[tuple(t for c in decoder.generate(prompt, 3) for t in c.tokens)] += 1
         accepted += decoder.stats.accepted
     assert 0.1 * n < accepted < 0.9 * n  # both accept and resample paths ran

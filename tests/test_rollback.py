@@ -6,7 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.policy import Choice, FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -43,24 +44,25 @@ def test_rollback_equals_fresh_prefill(request, monkeypatch, arch, accepted):
     reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=2 * BLOCK)]
     draft = ReplayDrafter(prompt + reference, [accepted], random_drafter(model))
     target = TargetModel(model, draft.config.target_layer_ids)
-    decoder = SpeculativeDecoder(target, draft, TokenSampler(SamplingParams()), FixedBlock(BLOCK))
+    row = Row(target, draft, TokenSampler(SamplingParams()), FixedBlock(BLOCK))
+    decoder = SpeculativeDecoder(row)
 
-    first, anchor = decoder._read(decoder.prefill(prompt), first=True)
-    decoder._history += first.tokens
-    commit, _ = decoder._read(decoder._queue_cycle(anchor, BLOCK))
+    row.begin(prompt, 2 * BLOCK)
+    row.read(row.prefill())
+    commit = decoder._read(decoder._queue(Choice.width(BLOCK), row.last))
     assert commit.tokens == reference[1 : accepted + 2]
     decoder._apply_rollback()  # deferred to the next cycle, after its draft is queued
 
     fresh = target.make_cache()
     fed = prompt + reference[: accepted + 1]  # the bonus token is not fed yet
     target.forward(mx.array(fed)[None], fresh)
-    got, want = cache_arrays(decoder.cache), cache_arrays(fresh)
+    got, want = cache_arrays(row.cache), cache_arrays(fresh)
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert a.shape == b.shape
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
     # The drafter's context now covers exactly the committed positions.
-    assert sum(piece.shape[1] for piece in decoder._context) == accepted + 1
+    assert sum(piece.shape[1] for piece in row._context) == accepted + 1
 
 
 @pytest.mark.parametrize("gates", ["mixed", "closed", "open"])

@@ -7,7 +7,8 @@ from collections import Counter
 
 import mlx.core as mx
 
-from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -84,7 +85,9 @@ def test_speculative_sampling_matches_target_distribution(tiny_hybrid):
     best = max(exact, key=exact.get)
     for seed in range(n):
         draft = ReplayDrafter(prompt + list(best) + [0] * 8, [3], inner)
-        decoder = SpeculativeDecoder(target, draft, TokenSampler(params, seed=seed), FixedBlock(4))
+        decoder = SpeculativeDecoder(
+            Row(target, draft, TokenSampler(params, seed=seed), FixedBlock(4))
+        )
         tokens = [t for commit in decoder.generate(prompt, 3) for t in commit.tokens]
         counts[tuple(tokens)] += 1
     assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)

@@ -38,6 +38,20 @@ def _engine(models: LoadedModels, gen: Any, **kw: Any) -> Engine:
     return start_engine(models, gen, **kw)
 
 
+def observe_rows(engine: Engine, seen: Any) -> None:
+    """Call ``seen(row, outcome)`` for every outcome of the engine's steps of its rows."""
+    step = engine.rows.step
+
+    def observed() -> Any:
+        outcomes = step()
+        for row, outcome in outcomes.items():
+            assert not isinstance(outcome, Exception), outcome
+            seen(row, outcome)
+        return outcomes
+
+    engine.rows.step = observed
+
+
 def test_short_request_finishes_while_long_one_runs(models: LoadedModels) -> None:
     gen = ScriptedGenerate(["t"] * 1000, delay=0.005)
     engine = _engine(models, gen, max_active=2, max_queue=0)
@@ -87,14 +101,10 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels, batchi
     """Four greedy requests (speculative, plain, two block sizes) plus a sampled one, interleaved
     cycle by cycle or batched, each produce exactly the tokens they produce alone."""
     runs: dict[int, list[int]] = {}
-    holder: list[Engine] = []
 
-    def recording(models: Any, request: Any) -> Any:
-        key = request.prompt[0]  # each test prompt starts with a distinct token
-        runs[key] = []
-        for response in holder[0]._run_request(models, request):
-            runs[key].extend(response.tokens)
-            yield response
+    def recording(row: Any, outcome: Any) -> None:
+        key = row.prompt[0]  # each test prompt starts with a distinct token
+        runs.setdefault(key, []).extend(outcome.tokens)
 
     specs = [
         ([5, 17, 40, 9], 60, {"block_size": 8}),
@@ -103,8 +113,8 @@ def test_interleaved_greedy_outputs_equal_lone_runs(models: LoadedModels, batchi
         ([8, 31, 31, 31, 2], 50, {"repetition_penalty": 1.1, "block_size": 8}),
         ([9, 1, 2], 50, {"temperature": 1.0, "seed": 3, "block_size": 8}),
     ]
-    engine = _engine(models, recording, max_active=5, batching=batching)
-    holder.append(engine)
+    engine = _engine(models, None, max_active=5, batching=batching)
+    observe_rows(engine, recording)
 
     async def main() -> tuple[list[Any], list[list[Any]]]:
         jobs = [make_job(prompt, n, **kw) for prompt, n, kw in specs]
@@ -159,19 +169,15 @@ def test_long_prefill_yields_to_running_streams(models: LoadedModels, batching: 
     between its chunks, and every output equals its lone run (same chunking)."""
     order: list[tuple[int, str]] = []
     outputs: dict[int, list[int]] = {}
-    holder: list[Engine] = []
 
-    def tagged(models: Any, request: Any) -> Any:
-        key = request.prompt[0]
-        outputs[key] = []
-        for response in holder[0]._run_request(models, request):
-            chunk = not response.tokens and response.finish_reason is None
-            order.append((key, "chunk" if chunk else "tokens"))
-            outputs[key].extend(response.tokens)
-            yield response
+    def tagged(row: Any, outcome: Any) -> None:
+        key = row.prompt[0]
+        chunk = not outcome.tokens and outcome.finish is None
+        order.append((key, "chunk" if chunk else "tokens"))
+        outputs.setdefault(key, []).extend(outcome.tokens)
 
-    engine = _engine(models, tagged, max_active=3, prefill_step_size=8, batching=batching)
-    holder.append(engine)
+    engine = _engine(models, None, max_active=3, prefill_step_size=8, batching=batching)
+    observe_rows(engine, tagged)
     jobs: list[Any] = []
 
     async def main() -> None:

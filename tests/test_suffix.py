@@ -10,10 +10,12 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_server.chat.budget import Budgeted
-from dflash_server.generation.controller import BlockController, FixedBlock
+from dflash_server.generation.controller import BlockController
 from dflash_server.generation.costs import CostModel
 from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler, point_mass
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.stream import generate
@@ -52,12 +54,14 @@ def copy_decode(
     target = TargetModel(model, draft.config.target_layer_ids if draft is not None else ())
     policy = BlockController(16 if draft is not None else 1, cheap_verify())
     decoder = SpeculativeDecoder(
-        target,
-        draft,
-        TokenSampler(params or SamplingParams(), seed),
-        policy,
-        constraint=constraint,
-        suffix=SuffixProposer(ids, shared, max_tokens=48),
+        Row(
+            target,
+            draft,
+            TokenSampler(params or SamplingParams(), seed),
+            policy,
+            constraint=constraint,
+            suffix=SuffixProposer(ids, shared, max_tokens=48),
+        )
     )
     tokens = [t for commit in decoder.generate(ids, n) for t in commit.tokens]
     return tokens, decoder.stats
@@ -238,23 +242,18 @@ def copy_decoder(
     sampler = TokenSampler(kw.pop("params", None) or SamplingParams(), kw.pop("seed", None))
     policy = BlockController(16 if draft is not None else 1, cheap_verify())
     suffix = SuffixProposer(ids, shared, max_tokens=48)
-    return SpeculativeDecoder(target, draft, sampler, policy, suffix=suffix, **kw)
+    return SpeculativeDecoder(Row(target, draft, sampler, policy, suffix=suffix, **kw))
 
 
 def batched(model: Any, specs: dict[str, tuple], max_verify: int | None = None) -> tuple:
     """specs: key -> (decoder factory, prompt, n, start round); key -> (tokens, commits,
     decoder), and the batch."""
-    from dflash_server.generation.batch import BatchDecoder, drive
-    from dflash_server.generation.speculative import PREFILL_CHUNK
+    from test_batching import new_batch, step_rows
 
-    inner = random_drafter(model)
-    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)), max_verify)
+    batch = new_batch(model, max_verify)
     decoders = {k: make() for k, (make, *_) in specs.items()}
-    streams = {k: batch.join(decoders[k], p, n) for k, (_, p, n, _) in specs.items()}
-    commits: dict[str, list[Any]] = {k: [] for k in specs}
-    for key, commit in drive(batch, streams, {k: s[3] for k, s in specs.items()}):
-        if commit is not PREFILL_CHUNK:
-            commits[key].append(commit)
+    rows = {k: (decoders[k].row, p, n) for k, (_, p, n, _) in specs.items()}
+    commits = step_rows(batch, rows, {k: s[3] for k, s in specs.items()})
     tokens = {k: [t for c in cs for t in c.tokens] for k, cs in commits.items()}
     return {k: (tokens[k], commits[k], decoders[k]) for k in specs}, batch
 
@@ -279,10 +278,11 @@ def test_batched_rows_copy_and_equal_plain_decoding(target: Any, max_verify: int
         "copy+draft": (lambda: copy_decoder(model, ids, inner, shared), ids, N, 2),
         "grammar": (lambda: copy_decoder(model, ids, shared=shared,
                     constraint=NoMultipleOfThree(vocab, ids[-1])), ids, N, 1),
-        "drafter": (lambda: SpeculativeDecoder(TargetModel(model, inner.config.target_layer_ids),
-                    inner, TokenSampler(SamplingParams()), FixedBlock(4)), other, N, 0),
-        "plain": (lambda: SpeculativeDecoder(TargetModel(model, ()), None,
-                  TokenSampler(SamplingParams()), FixedBlock(1)), other, N, 3),
+        "drafter": (lambda: SpeculativeDecoder(Row(TargetModel(model,
+                    inner.config.target_layer_ids), inner, TokenSampler(SamplingParams()),
+                    FixedBlock(4))), other, N, 0),
+        "plain": (lambda: SpeculativeDecoder(Row(TargetModel(model, ()), None,
+                  TokenSampler(SamplingParams()), FixedBlock(1))), other, N, 3),
     }  # fmt: skip
     out, batch = batched(model, specs, max_verify)
     assert out["copy"][0] == out["copy+draft"][0] == reference

@@ -5,7 +5,7 @@ only its import line changed.
 """
 
 from dflash_server.generation.sampling import SamplingParams
-from dflash_server.generation.speculative import SpeculativeStats
+from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.stream import GenerationResponse, stream_generate
 from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
 from dflash_server.models.loading import load, load_draft

@@ -431,18 +431,23 @@ def random_dflash2_drafter(
 class ReplayDrafter:
     """Test double: drafts the target's own future tokens, with planted mistakes.
 
-    ``reference`` is prompt + the target's greedy output. In cycle c the first
+    ``reference`` is prompt + the target's greedy output. In a row's cycle c the first
     ``accept_pattern[c % len]`` drafts are right and the next one is wrong, so every acceptance
     length (and full blocks) can be forced. ``inner``, a real drafter, runs alongside on the same
-    context: it gives the config (block size, taps, mask id) and a realistic draft cost.
+    context: it gives the config (block size, taps, mask id) and a realistic draft cost. Rows
+    that share one double (the same reference) draft together as the real drafter's do.
     """
 
     def __init__(
         self, reference: Sequence[int], accept_pattern: Sequence[int], inner: DFlashDraftModel
     ):
+        import weakref
+
         self.reference, self.pattern, self.inner = list(reference), list(accept_pattern), inner
         self.config = inner.config
-        self.cycle = 0
+        self.family = inner.family
+        # Cycles so far per row, keyed by the row's first context cache.
+        self.cycles: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     def bind(self, target: Any) -> ReplayDrafter:
         self.inner.bind(target)
@@ -454,32 +459,41 @@ class ReplayDrafter:
     def set_window(self, window: int | None) -> int | None:
         return self.inner.set_window(window)
 
+    def append_context(self, target_hidden: Any, cache: list[Any]) -> None:
+        self.inner.append_context(target_hidden, cache)
+
     def propose(
         self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any
     ):
         """The drafter contract (see ``DFlashDraftModel.propose``) over the planted logits."""
-        return sampler.propose(self(block_ids, target_hidden, cache, logits_start=1)[0], history)
+        real = self.inner(block_ids, target_hidden, cache, logits_start=1)
+        return sampler.propose(self.planted(block_ids, cache, real)[0], history)
 
-    def append_context(self, target_hidden: Any, cache: list[Any]) -> None:
-        self.inner.append_context(target_hidden, cache)
+    def propose_rows(self, rows: Sequence[Any]) -> list[Any]:
+        """The optional batched contract: the real drafter's pass for all rows at once where
+        it can, then each row's planted logits."""
+        if len(rows) < 2 or not self.inner.drafts_together(rows):
+            return [row.propose() for row in rows]
+        reals = self.inner.block_logits_together(rows)
+        return [
+            r.sampler.propose(self.planted(r.block, r.cache, real)[0], r.history)
+            for r, real in zip(rows, reals)
+        ]
 
-    def __call__(self, block_ids: Any, target_hidden: Any, cache: list[Any], logits_start: int = 0):
-        real = self.inner(block_ids, target_hidden, cache, logits_start)
-        return self.planted(block_ids, cache, logits_start, real)
-
-    def planted(self, block_ids: Any, cache: list[Any], logits_start: int, real: Any):
-        """The planted logits for a block whose real ones (context already appended) are
-        ``real``; batched drafting calls this per row after one pass for all rows."""
+    def planted(self, block_ids: Any, cache: list[Any], real: Any):
+        """Planted logits for block positions 1.. of a row whose real ones (context already
+        appended) are ``real``."""
         import mlx.core as mx
 
         anchor = cache[0].offset  # absolute position of block position 0
-        right = self.pattern[self.cycle % len(self.pattern)]
-        self.cycle += 1
+        cycle = self.cycles.get(cache[0], 0)
+        self.cycles[cache[0]] = cycle + 1
+        right = self.pattern[cycle % len(self.pattern)]
         vocab = real.shape[-1]
         planted = []
-        for j in range(block_ids.shape[1]):
+        for j in range(1, block_ids.shape[1]):
             token = self.reference[anchor + j] if anchor + j < len(self.reference) else 0
             planted.append(token if j <= right else (token + 1) % vocab)
-        rows = mx.array(planted[logits_start:])
+        rows = mx.array(planted)
         logits = mx.where(mx.arange(vocab) == rows[:, None], 30.0, -30.0)[None]
         return logits + 0 * real  # keep the real draft in the graph so its cost is paid

@@ -1,18 +1,14 @@
 """The engine: one worker thread owns every MLX call (loading and generation).
 
-Scheduling: requests wait in a bounded FIFO; up to ``max_active`` of them generate at once, and
-the worker advances each active request by one step per round (round robin): a DFlash cycle, or
-one prompt chunk (``prefill_step_size`` tokens) of a request still prefilling, so a long prompt
-never stalls the other streams for more than a chunk. Every request keeps its own caches inside
-its ``stream_generate`` generator, so interleaving changes no request's tokens, and a short
-request finishes while a long one is still running. With ``batching="batched"`` the requests
-past their prefill run as rows of one ``BatchDecoder`` instead: each round every request's
-step reads its row's tokens from the last pass (a new short prompt registers for a prefill),
-then one batch step: the waiting short prompts prefilled together in one forward, and one
-batched pass (one drafter pass for the drafting rows, one target verify for all); outputs are
-still those of a lone run.
+Scheduling: requests wait in a bounded FIFO; up to ``max_active`` of them generate at once, each
+as a ``Row`` of the engine's rows: a ``BatchDecoder`` (``batching="batched"``: every running
+request advances in one target pass per round, short new prompts prefill together, a long one
+one chunk per round) or ``LoneRows`` (``"interleave"``: each request cycles alone, one cycle or
+prompt chunk per round). The engine owns the round: admit, drop cancelled requests, one
+``step`` of the rows, then each commit becomes its request's text events. Outputs are those of
+a lone run either way, and a short request finishes while a long one is still running.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
-event loop and stops at its next step.
+event loop and stops at the next round.
 """
 
 from __future__ import annotations
@@ -39,8 +35,11 @@ from dflash_server.engine.jobs import (
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.batch import BatchDecoder
+from dflash_server.generation.cycle import Commit
 from dflash_server.generation.request import GenerationRequest
-from dflash_server.generation.stream import GenerationResponse, generate
+from dflash_server.generation.row import Row
+from dflash_server.generation.speculative import LoneRows
+from dflash_server.generation.stream import Generation, GenerationResponse
 
 log = logging.getLogger("dflash_server")
 SHUTDOWN = "server is shutting down"
@@ -48,27 +47,30 @@ SHUTDOWN = "server is shutting down"
 # advance in one target pass per round (generation/batch.py).
 BATCHING = ("interleave", "batched")
 
-# One request's generation on the resident models: a response per cycle (the first: prefill).
+# A test double for a request's generation on the resident models: its responses, one per
+# round (the first: the prefill's); it replaces the rows.
 GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator[GenerationResponse]]
 LoaderFn = Callable[[], LoadedModels]
 
 
 class _Run:
-    """An admitted job on the worker thread: its generator and what its final event needs."""
+    """An admitted job on the worker thread: a row of the engine's rows (``generation``) or a
+    test double's responses (``gen``), and what its final event needs."""
 
     def __init__(
-        self, job: Job, gen: Iterator[GenerationResponse], texts: TokenTexts | None
+        self,
+        job: Job,
+        texts: TokenTexts | None,
+        generation: Generation | None = None,
+        gen: Iterator[GenerationResponse] | None = None,
     ) -> None:
-        self.job, self.gen, self.texts = job, gen, texts
+        self.job, self.texts, self.generation, self.gen = job, texts, generation, gen
         self.last: GenerationResponse | None = None
         self.produced = 0
 
     def step(self) -> Event | None:
-        """Advance one cycle (the first is the prefill); return the final event once it ends."""
-        job = self.job
-        if job.cancelled:
-            log.info("request cancelled after %d tokens", self.produced)
-            return Failed("request cancelled")
+        """A ``gen`` run: its next response; the final event once it ends."""
+        assert self.gen is not None
         try:
             response = next(self.gen)
         except StopIteration:
@@ -76,6 +78,17 @@ class _Run:
         except Exception as exc:
             log.exception("generation failed")
             return Failed(f"generation failed: {exc}")
+        return self.deliver(response)
+
+    def feed(self, outcome: Commit | Exception) -> Event | None:
+        """A row run: what a step of the rows handed it; the final event once it ends."""
+        assert self.generation is not None
+        if isinstance(outcome, Exception):
+            log.error("generation failed", exc_info=outcome)
+            return Failed(f"generation failed: {outcome}")
+        return self.deliver(self.generation.respond(outcome))
+
+    def deliver(self, response: GenerationResponse) -> Event | None:
         self.last = response
         self.produced += len(response.tokens)
         if response.text or response.tokens:
@@ -84,7 +97,7 @@ class _Run:
                 lps = token_logprobs(
                     self.texts, response.tokens, response.logprobs, response.top_logprobs
                 )
-            job.emit(TextChunk(response.text, len(response.tokens), lps, response.sources))
+            self.job.emit(TextChunk(response.text, len(response.tokens), lps, response.sources))
         return _DONE if response.finish_reason is not None else None
 
 
@@ -106,15 +119,18 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         batching: str = "batched",
         max_verify: int | None = None,
+        on_pass: Callable[[int, int], None] | None = None,
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         self.batching, self.max_verify = batching, max_verify
         self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
-        self.on_pass: Callable[[int, int], None] | None = None  # (rows, verified positions)
+        self.rows: BatchDecoder | LoneRows = LoneRows()  # what each round steps
+        self._by_row: dict[Row, _Run] = {}
+        self.on_pass = on_pass  # called after each batched pass: (rows, verified positions)
         self._loader = loader
         self.prefix_cache = prefix_cache
-        self._generate = generate or self._run_request
+        self._generate = generate
         self._on_fatal = on_fatal
         self.max_queue = max_queue
         # None: decided at load (batched: the rows a pass supports, at least 4; else 4).
@@ -238,13 +254,15 @@ class Engine:
 
         assert self.models is not None
         pair = self.models.pair
-        self.batch = BatchDecoder(pair.target, self.max_verify)
+        costs = None
         if pair.draft is not None and pair.measured is not None:
-            self.batch.costs = measure_pass_costs(pair.target, pair.draft)
-            log.info("%s", self.batch.costs.describe())
+            costs = measure_pass_costs(pair.target, pair.draft)
+            log.info("%s", costs.describe())
+        self.batch = self.rows = BatchDecoder(pair.target, self.max_verify, costs)
 
     def _round(self) -> bool:
-        """Admit waiting jobs up to ``max_active``, then step each active one once."""
+        """Admit waiting jobs up to ``max_active``, drop cancelled ones, then one step of the
+        rows (and of each test double's generator); each outcome goes to its request."""
         with self._cond:
             while not self._pending and not self._active and not self._stopping:
                 self._cond.wait()
@@ -261,21 +279,28 @@ class Engine:
         for run in list(self._active):
             if self._stopping:
                 return False
-            final = run.step()
-            if final is not None:
-                # Free the slot before the client hears the end: its next request must fit.
-                event = self._finished(run) if final is _DONE else final
-                self._close(run)
-                run.job.emit(event)
-        if self.batch is not None and (self.batch.rows or self.batch.waiting):
-            passes = self.batch.passes
-            try:  # the waiting prompts' prefill, then one pass for every running row
-                self.batch.step()  # each row's step next round reads its tokens
-            except Exception:
-                log.exception("batched pass failed")  # each of its rows ends with the error
-            if self.on_pass is not None and self.batch.passes > passes:
+            if run.job.cancelled:
+                log.info("request cancelled after %d tokens", run.produced)
+                self._end(run, Failed("request cancelled"))
+            elif run.gen is not None:
+                self._end(run, run.step())
+        if self.rows.busy:
+            passes = self.batch.passes if self.batch is not None else 0
+            for row, outcome in self.rows.step().items():
+                run = self._by_row[row]
+                self._end(run, run.feed(outcome))
+            if self.on_pass is not None and self.batch is not None and self.batch.passes > passes:
                 self.on_pass(*self.batch.last_pass)
         return True
+
+    def _end(self, run: _Run, final: Event | None) -> None:
+        """Once a run has its final event: free its slot, then tell the client (its next
+        request must fit)."""
+        if final is None:
+            return
+        event = self._finished(run) if final is _DONE else final
+        self._close(run)
+        run.job.emit(event)
 
     def _fail(self, message: str) -> None:
         self.state, self.error = "error", message
@@ -283,20 +308,9 @@ class Engine:
         if self._on_fatal is not None:
             self._on_fatal(message)
 
-    def _run_request(
-        self, models: LoadedModels, request: GenerationRequest
-    ) -> Iterator[GenerationResponse]:
-        return generate(
-            models.pair,
-            request,
-            prefill_step_size=self.prefill_step_size,
-            prefix=self.prefix_cache,
-            yield_chunks=True,  # a long prompt prefills between the other streams' cycles
-            batch=self.batch,
-        )
-
     def _start(self, job: Job) -> _Run | None:
-        """Create the job's generator (no MLX work yet: its first step is the prefill)."""
+        """Make the job's run: a row of the engine's rows (its prefill starts at this round's
+        step), or the test double's generator."""
         if job.cancelled:
             return None
         assert self.models is not None
@@ -311,19 +325,32 @@ class Engine:
             texts = self._token_texts or TokenTexts(m.pair.tokenizer)
             self._token_texts = texts
         try:
-            gen = self._generate(m, job.request)
+            if self._generate is not None:
+                return _Run(job, texts, gen=self._generate(m, job.request))
+            generation = Generation(
+                m.pair, job.request, prefill_step_size=self.prefill_step_size,
+                prefix=self.prefix_cache,
+            )  # fmt: skip
+            request = job.request
+            self.rows.add(generation.row, generation.prompt, request.max_tokens,
+                          generation.eos_ids)  # fmt: skip
         except Exception as exc:
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {exc}"))
             return None
-        return _Run(job, gen, texts)
+        run = _Run(job, texts, generation=generation)
+        self._by_row[generation.row] = run
+        return run
 
     def _close(self, run: _Run) -> None:
-        """Drop a finished run; closing its generator frees its caches now, not at GC."""
+        """Drop an ended run; its row leaves the rows (caches freed now, not at GC)."""
         with self._cond:
             if run in self._active:
                 self._active.remove(run)
         try:
+            if run.generation is not None:
+                self._by_row.pop(run.generation.row, None)
+                self.rows.remove(run.generation.row)
             close = getattr(run.gen, "close", None)  # a generator's: frees its caches now
             if close is not None:
                 close()

@@ -14,13 +14,16 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.controller import SUFFIX, AcceptanceModel, BlockController, Choice
 from dflash_server.generation.costs import CostModel
+from dflash_server.generation.policy import Choice
+
+if TYPE_CHECKING:
+    from dflash_server.generation.row import Row
 
 
 @dataclass
@@ -58,22 +61,11 @@ class PassCosts:
         )
 
 
-def _expected(decoder: Any, choice: Choice, width: int) -> float:
-    """A row's expected committed tokens at ``width``: its controller's acceptance estimate
-    (a copy: its tokens' confidences, scaled by the controller's trust); a fixed-width row:
-    its observed tau."""
-    policy = decoder.policy
-    if not isinstance(policy, BlockController):
-        return decoder.stats.tau or 1.0
-    if choice.source == SUFFIX and width > 1:
-        return AcceptanceModel.expected(policy.trust.rates(choice.confidence), width)
-    return AcceptanceModel.expected(policy.acceptance.rates(), width)
-
-
-def choose_widths(decoders: list[Any], choices: list[Choice], costs: PassCosts) -> list[int]:
-    """Cap the adaptive rows' chosen widths where the batch's tokens per second is highest."""
+def choose_widths(rows: list[Row], choices: list[Choice], costs: PassCosts) -> list[int]:
+    """Cap the adaptive rows' chosen widths where the batch's tokens per second is highest
+    (a fixed width is the request's own choice: kept)."""
     wanted = [c.size for c in choices]
-    adaptive = [isinstance(d.policy, BlockController) for d in decoders]
+    adaptive = [row.policy.adaptive for row in rows]
     if not any(adaptive):
         return wanted
 
@@ -82,7 +74,7 @@ def choose_widths(decoders: list[Any], choices: list[Choice], costs: PassCosts) 
 
     def value(cap: int) -> float:
         ws = widths(cap)
-        tokens = sum(_expected(d, c, w) for d, c, w in zip(decoders, choices, ws))
+        tokens = sum(r.policy.expected(c, w) for r, c, w in zip(rows, choices, ws))
         return tokens / costs.cost(len(ws), max(ws))
 
     caps = sorted({1, *wanted})
@@ -96,7 +88,8 @@ def measure_pass_costs(
     ``width`` (batched drafter pass + recorded verify) on ``context``-token rows; medians of
     up to 3 runs after a warm-up, fewer once ``budget_s`` is spent. Runs MLX work: call it on
     the thread that owns the models."""
-    from dflash_server.generation.batch_draft import DraftRow, propose_rows
+    from dflash_server.generation.batch_draft import propose_rows
+    from dflash_server.generation.protocols import DraftRow
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
 
     start = time.perf_counter()

@@ -21,25 +21,22 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from dflash_server.generation.batch_cache import BatchCache
 from dflash_server.generation.cycle import Cycle
 from dflash_server.generation.prefix import Checkpoint
-from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.row import Row
 from dflash_server.generation.target import TargetModel
 
 
-def prefill_together(
-    target: TargetModel, decoders: list[SpeculativeDecoder], prompts: list[list[int]]
-) -> list[Cycle]:
-    """Prefill cold prompts (no prefix-cache hit) as rows of one forward per segment; return
-    each request's first-token cycle, its caches and drafter context filled in."""
+def prefill_together(target: TargetModel, rows: list[Row]) -> list[Cycle]:
+    """Prefill the rows' cold prompts (no prefix-cache hit) as rows of one forward per
+    segment; return each request's first-token cycle, its caches and drafter context filled
+    in."""
+    prompts = [row.prompt for row in rows]
     lengths = [len(p) for p in prompts]
     width = max(lengths)
-    cache = BatchCache.empty([type(c) for c in decoders[0].cache], len(prompts))
+    cache = BatchCache.empty([type(c) for c in rows[0].cache], len(prompts))
     tokens = mx.array([p + [0] * (width - len(p)) for p in prompts], dtype=mx.int32)
-    wanted = [
-        d._chunk_checkpoints(n) if d.prefix is not None else set()
-        for d, n in zip(decoders, lengths)
-    ]
+    wanted = [row.checkpoint_positions() for row in rows]
     cuts = sorted(set().union(*wanted) | {width})
-    checkpoints: list[dict[int, Checkpoint]] = [{} for _ in decoders]
+    checkpoints: list[dict[int, Checkpoint]] = [{} for _ in rows]
     last: list[Any] = [None] * len(prompts)  # each row's final hidden state [1, H]
     start = 0
     with mx.stream(generation_stream):
@@ -53,25 +50,24 @@ def prefill_together(
             cache.layout.commit(keep, end - start)
             for c in cache.linear:
                 c.finalize()
-            for i, d in enumerate(decoders):
+            for i, row in enumerate(rows):
                 if keep[i] == 0:
                     continue
-                if d.draft is not None and taps is not None and d.draft_cache is not None:
-                    d.draft.append_context(taps[i : i + 1, : keep[i]], d.draft_cache)
+                if row.draft is not None and taps is not None and row.draft_cache is not None:
+                    row.draft.append_context(taps[i : i + 1, : keep[i]], row.draft_cache)
                 if start < lengths[i] <= end:
                     last[i] = hidden[i : i + 1, lengths[i] - 1 - start]
                 if end in wanted[i]:
-                    checkpoints[i][end] = Checkpoint.take(_row(cache, i), d.draft_cache)
+                    checkpoints[i][end] = Checkpoint.take(_row(cache, i), row.draft_cache)
             if end < width:  # bound peak memory, as a lone prefill does between chunks
-                mx.eval(cache.state(), *[d._draft_state() for d in decoders])
+                mx.eval(cache.state(), *[row.draft_state() for row in rows])
                 mx.clear_cache()
             start = end
         logits = target.parts.lm_head(mx.concatenate(last))  # [rows, V]
     cycles = []
-    for i, (d, prompt) in enumerate(zip(decoders, prompts)):
-        _fill(d.cache, cache, i, lengths[i])
-        d._history = list(prompt)
-        cycles.append(d._first_token(prompt, logits[i : i + 1], checkpoints[i]))
+    for i, row in enumerate(rows):
+        _fill(row.cache, cache, i, lengths[i])
+        cycles.append(row.first_token(logits[i : i + 1], checkpoints[i]))
     return cycles
 
 

@@ -18,9 +18,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.controller import SUFFIX, BlockController, Choice, FixedBlock
+from dflash_server.generation.controller import BlockController
 from dflash_server.generation.costs import CostModel
+from dflash_server.generation.policy import SUFFIX, Choice, FixedBlock
 from dflash_server.generation.protocols import Drafter
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.suffix import Proposal, SuffixProposer
@@ -161,7 +163,7 @@ def _calibrate(
     def periods(width: int, cycles: int) -> list[float]:
         sampler = TokenSampler(SamplingParams())
         decoder = SpeculativeDecoder(
-            target, draft if width > 1 else None, sampler, FixedBlock(width)
+            Row(target, draft if width > 1 else None, sampler, FixedBlock(width))
         )
         stamps = []
         for _ in decoder.generate(prompt, (cycles + 2) * width):
@@ -214,9 +216,10 @@ def _calibrate_copies(
     loop: dict[int, float] = {}
     for width in widths:
         proposer = SuffixProposer(prompt)
-        decoder = SpeculativeDecoder(
+        row = Row(
             target, draft, TokenSampler(SamplingParams()), _Copies(width, costs), suffix=proposer
         )
+        decoder = SpeculativeDecoder(row)
         stamps = []
         for _ in decoder.generate(prompt, (cycles + 2) * width + 1):
             stamps.append(time.perf_counter())

@@ -1,4 +1,4 @@
-"""Block-size policies: a fixed width, or the per-request controller behind ``block_size: "auto"``.
+"""The per-request width policy behind ``block_size: "auto"`` (the ``WidthPolicy`` of ``policy.py``).
 
 The controller picks the width ``B`` of each cycle to maximise expected committed tokens per
 second::
@@ -25,68 +25,13 @@ predicted recent suffix cycles) over the verify-only cost, beat the drafter's (o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_server.generation.costs import CostModel
+from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice, Source
 
 if TYPE_CHECKING:
     from dflash_server.generation.suffix import Proposal
-
-PLAIN, DRAFTER, SUFFIX = "plain", "drafter", "suffix"  # where a cycle's drafts come from
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What the next cycle verifies: ``size`` positions (1: a plain step), drafted by the
-    drafter or copied (``tokens``, ``size - 1`` of them, with their ``confidence``) from a
-    suffix proposal."""
-
-    source: str
-    size: int
-    tokens: tuple[int, ...] = ()
-    confidence: tuple[float, ...] = ()
-
-    @classmethod
-    def width(cls, size: int) -> Choice:
-        return cls(DRAFTER if size > 1 else PLAIN, size)
-
-    def narrow(self, size: int) -> Choice:
-        """The same choice at most ``size`` positions wide (a copy keeps its first tokens)."""
-        if size >= self.size:
-            return self
-        if size > 1 and self.source == SUFFIX:
-            return Choice(SUFFIX, size, self.tokens[: size - 1], self.confidence[: size - 1])
-        return Choice.width(size)
-
-
-class FixedBlock:
-    """The same width every cycle (``block_size`` given as a number, or plain decoding)."""
-
-    adaptive = False
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-
-    def next_size(self, room: int) -> int:
-        return max(1, min(self.block_size, room))
-
-    def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
-        """A fixed width never copies: suffix drafts need the costs only "auto" has."""
-        return Choice.width(self.next_size(room))
-
-    def observe(
-        self,
-        size: int,
-        accepted: int,
-        seconds: float | None,
-        source: str = DRAFTER,
-        confidence: tuple[float, ...] = (),
-    ) -> None:
-        pass
-
-    def estimate(self) -> dict[str, Any] | None:
-        return None
 
 
 class SuffixTrust:
@@ -341,7 +286,7 @@ class BlockController:
         size: int,
         accepted: int,
         seconds: float | None,
-        source: str = DRAFTER,
+        source: Source = DRAFTER,
         confidence: tuple[float, ...] = (),
     ) -> None:
         """A cycle of ``size`` positions committed ``accepted`` drafts (+1) in ``seconds``
@@ -366,6 +311,13 @@ class BlockController:
                 self.widen_probe = min(2 * size, self.max_block)  # a small block cannot tell
             else:
                 self.gap = self._first_gap() if paid else min(2 * self.gap, self.max_gap)
+
+    def expected(self, choice: Choice, width: int) -> float:
+        """Expected committed tokens of ``choice`` at ``width``: the acceptance estimate (a
+        copy: its tokens' confidences, scaled by the trust in them)."""
+        if choice.source == SUFFIX and width > 1:
+            return AcceptanceModel.expected(self.trust.rates(choice.confidence), width)
+        return AcceptanceModel.expected(self.acceptance.rates(), width)
 
     def estimate(self) -> dict[str, Any]:
         """The controller's current view, for stats and logs."""

@@ -1,8 +1,8 @@
 """What one draft/verify cycle hands back: the queued device results, and the committed tokens.
 
 ``Cycle`` is a cycle in flight (its arrays evaluate asynchronously; reading ``result`` is the one
-host sync); ``Commit`` the tokens it committed, as the decoder yields them. Shared by the lone
-decoder (``speculative.py``) and the batched one (``batch.py``).
+host sync); ``Commit`` the tokens it committed, as the drivers hand them out. Made and read by a
+``Row`` (``row.py``), whichever driver runs it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from dflash_server.generation.controller import DRAFTER
+from dflash_server.generation.policy import DRAFTER, Source
 
 FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
 
@@ -29,7 +29,7 @@ class Commit:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
     finish: str | None = None
     drafted: int = 0  # how many of the leading tokens are accepted drafts (the rest: target's)
-    source: str = DRAFTER  # where those drafts came from: the drafter or a suffix copy
+    source: Source = DRAFTER  # where those drafts came from: the drafter or a suffix copy
 
     def truncate(self, n: int, finish: str | None = None) -> Commit:
         top = None if self.top_logprobs is None else self.top_logprobs[:n]
@@ -48,8 +48,9 @@ class Cycle:
     taps: mx.array | None  # [1, B, L*H] tapped target features of the verify input
     size: int  # B, positions fed to the target
     logprobs: tuple[mx.array, mx.array | None, mx.array | None] | None = None  # per verify row
-    source: str = DRAFTER  # PLAIN, DRAFTER or SUFFIX
+    source: Source = DRAFTER
     confidence: tuple[float, ...] = ()  # a suffix copy's, for the controller's trust
+    prefill: bool = False  # the prompt's first token: no cycle of the policy's
 
     def arrays(self) -> list[mx.array]:
         extra = [] if self.logprobs is None else [a for a in self.logprobs if a is not None]

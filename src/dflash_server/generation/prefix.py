@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
+
+if TYPE_CHECKING:
+    from dflash_server.generation.protocols import DraftContext
 
 KV = tuple[mx.array, mx.array]  # keys, values: [B, heads, tokens, head_dim]
 
@@ -44,7 +47,7 @@ class Checkpoint:
     draft: list[KV | None] | None = None
 
     @classmethod
-    def take(cls, cache: list[Any], draft_cache: list[Any] | None) -> Checkpoint:
+    def take(cls, cache: list[Any], draft_cache: Sequence[DraftContext] | None) -> Checkpoint:
         # ArraysCache rebinds its slots on update: references are enough, no copies.
         recurrent: list[list[Any]] = [list(c.cache) for c in cache if isinstance(c, ArraysCache)]
         draft: list[KV | None] | None = None
@@ -73,12 +76,12 @@ class PromptSnapshot:
         cls,
         tokens: Sequence[int],
         cache: list[Any],
-        draft_cache: list[Any] | None,
+        draft_cache: Sequence[DraftContext] | None,
         checkpoints: dict[int, Checkpoint],
     ) -> PromptSnapshot:
         n = len(tokens)
         kv = [_kv(c, n) if isinstance(c, KVCache) else None for c in cache]
-        draft_kv = None if draft_cache is None else [c.snapshot()[:2] for c in draft_cache]
+        draft_kv = None if draft_cache is None else [_live(c) for c in draft_cache]
         return cls(tuple(tokens), kv, draft_kv, dict(checkpoints))
 
     def arrays(self) -> list[mx.array]:
@@ -101,7 +104,9 @@ class PromptSnapshot:
         """The longest prefix, at most ``limit`` tokens, this snapshot can restore (0: none)."""
         return restorable(min(limit, len(self.tokens)), self.recurrent, self.checkpoints)
 
-    def restore(self, length: int, cache: list[Any], draft_cache: list[Any] | None) -> None:
+    def restore(
+        self, length: int, cache: list[Any], draft_cache: Sequence[DraftContext] | None
+    ) -> None:
         """Load the state after ``length`` tokens into fresh caches."""
         checkpoint = self.checkpoints.get(length)
         recurrent = iter(checkpoint.recurrent if checkpoint is not None else [])
@@ -122,7 +127,14 @@ class PromptSnapshot:
                 c.restore((keys[..., :length, :], values[..., :length, :], length))
 
 
-def _window(cache: Any) -> KV | None:
+def _live(cache: DraftContext) -> KV:
+    """A drafter layer's live context (keys, values); a prefilled prompt always has some."""
+    snapshot = cache.snapshot()
+    assert snapshot is not None, "a snapshot is taken after the prompt fed the drafter"
+    return snapshot[0], snapshot[1]
+
+
+def _window(cache: DraftContext) -> KV | None:
     """A sliding drafter layer's live window (keys, values), if it holds any."""
     snapshot = cache.snapshot()
     return None if snapshot is None else (snapshot[0], snapshot[1])

@@ -1,17 +1,30 @@
 """Everything the decoding core asks of the outside world, in one place.
 
-A drafter (DFlash, DFlash2, test doubles), a token constraint (grammars, thinking budgets) and
-the constraint a request carries, and a prefix store (the engine's prefix cache). The core
-depends on these shapes only, never on the classes that implement them.
+A drafter (DFlash, DFlash2, test doubles) and its context cache, a token constraint (grammars,
+thinking budgets) and the constraint a request carries, and a prefix store (the engine's prefix
+cache). The core depends on these shapes only, never on the classes that implement them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from dflash_server.models.draft_rows import DraftRow
+
+__all__ = [
+    "ConstraintSpec",
+    "DraftConfig",
+    "DraftContext",
+    "DraftRow",
+    "Drafter",
+    "PrefixStore",
+    "RowDrafter",
+    "TokenConstraint",
+]
 
 if TYPE_CHECKING:
     from dflash_server.generation.prefix import PromptSnapshot
@@ -34,6 +47,28 @@ class DraftConfig(Protocol):
         ...
 
 
+class DraftContext(Protocol):
+    """One drafter layer's context cache: committed positions only, so it never rolls back.
+    Prefix snapshots save and restore it (``generation/prefix.py``)."""
+
+    @property
+    def offset(self) -> int:  # positions seen: the absolute position of the next one
+        ...
+
+    @property
+    def max_size(self) -> int | None:  # a window: its state is valid only where it was taken
+        ...
+
+    @property
+    def state(self) -> list[mx.array]: ...
+
+    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
+        """The live keys and values, and the offset they end at (None: empty)."""
+        ...
+
+    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None: ...
+
+
 class Drafter(Protocol):
     """What the decoder needs from a drafter (docs/design.md, "The DFlash loop")."""
 
@@ -45,7 +80,7 @@ class Drafter(Protocol):
         ...
 
     def make_cache(self) -> list[Any]:
-        """A fresh context cache (committed positions only: it never needs a rollback)."""
+        """A fresh context cache, one ``DraftContext`` per drafter layer."""
         ...
 
     def append_context(self, target_hidden: mx.array, cache: list[Any]) -> None:
@@ -66,6 +101,16 @@ class Drafter(Protocol):
 
     def set_window(self, window: int | None) -> int | None:
         """Bound the full-attention layers' context (None: all of it); return the window used."""
+        ...
+
+
+@runtime_checkable
+class RowDrafter(Protocol):
+    """Optional for a ``Drafter``: several rows' proposals at once (a batched pass drafts
+    every row of one drafter in one call; without it, row by row)."""
+
+    def propose_rows(self, rows: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array | None]]:
+        """``propose`` for each row (``rows[i].drafter`` is this drafter), in order."""
         ...
 
 

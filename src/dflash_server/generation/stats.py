@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-SOURCES = ("drafter", "suffix", "plain")  # where a cycle's tokens came from
+from dflash_server.generation.policy import SOURCES, Source
 
 
 @dataclass
@@ -53,7 +53,7 @@ class SpeculativeStats:
         tokens = self.accepted + self.cycles
         return self.plain_tokens / tokens if tokens else 0.0
 
-    def record(self, size: int, accepted: int, source: str = "drafter") -> None:
+    def record(self, size: int, accepted: int, source: Source = "drafter") -> None:
         """One cycle of ``size`` positions (``size - 1`` drafts) kept ``accepted`` drafts."""
         self.cycles += 1
         self.drafted += size - 1

@@ -1,8 +1,9 @@
 """Generation from a ``GenerationRequest``: token commits in, text segments out.
 
-``generate`` is what the engine runs on its ``ModelPair``; ``stream_generate`` is the
-reference-compatible Python API in front of it. Token-level termination lives in the decoder,
-text-level (detokenizing, stop strings) in ``generation/text.py``.
+``Generation`` is one request on a ``ModelPair`` (its row, and what its commits become as
+text); ``generate`` runs one alone; ``stream_generate`` is the reference-compatible Python API
+in front of it. Token-level termination lives in the row, text-level (detokenizing, stop
+strings) in ``generation/text.py``.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_server.generation.controller import SUFFIX, BlockController, FixedBlock
+from dflash_server.generation.controller import BlockController
+from dflash_server.generation.cycle import PREFILL_CHUNK, Commit
 from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.policy import SUFFIX, FixedBlock, WidthPolicy
 from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
 from dflash_server.generation.request import (
     BlockSize,
@@ -25,18 +27,13 @@ from dflash_server.generation.request import (
     Prebuilt,
     block_policy,
 )
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
-from dflash_server.generation.speculative import (
-    PREFILL_CHUNK,
-    SpeculativeDecoder,
-    SpeculativeStats,
-)
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 from dflash_server.generation.text import TextStream, encode, hidden_tokens
-
-if TYPE_CHECKING:
-    from dflash_server.generation.batch import BatchDecoder
 
 
 @dataclass
@@ -67,6 +64,97 @@ class GenerationResponse:
         return self.tokens[-1] if self.tokens else None
 
 
+class Generation:
+    """One request on a loaded pair: its ``Row``, and the responses its commits become (text,
+    stop strings, timings). Run alone by ``generate``, or as a row of the engine's batch.
+
+    ``prefix``: a prefix cache to restore the prompt's longest cached prefix from and to keep
+    this prompt's state in (at ``request.checkpoints``). ``block.auto`` decides by the pair's
+    cycle costs (``ModelPair.costs``: measured at load by the engine, else on first use).
+    """
+
+    def __init__(
+        self,
+        pair: ModelPair,
+        request: GenerationRequest,
+        *,
+        prefill_step_size: int = 2048,
+        profile: bool = False,
+        prefix: PrefixStore | None = None,
+    ) -> None:
+        draft = pair.draft if request.speculative else None
+        block = request.block
+        policy: WidthPolicy = FixedBlock(block.width if draft else 1)
+        suffix = None
+        if block.copies:
+            suffix = SuffixProposer(request.prompt, pair.suffix_index, block.suffix)
+        if (draft is not None and block.auto) or suffix is not None:
+            costs = pair.costs(block.suffix + 1 if suffix is not None else 0).copy()
+            policy = BlockController(block.width if draft else 1, costs, prior=pair.prior)
+        target = pair.target if draft is not None else TargetModel(pair.model, ())
+        tokenizer = pair.tokenizer
+        constraint = None if request.constraint is None else request.constraint.build(tokenizer)
+        self.row = Row(
+            target,
+            draft,
+            TokenSampler(request.sampling, request.seed, request.sampler),
+            policy,
+            prefill_step_size=prefill_step_size,
+            profile=profile,
+            logprobs=request.logprobs,
+            constraint=constraint,
+            prefix=prefix,
+            checkpoints=request.checkpoints,
+            suffix=suffix,
+        )
+        self.request = request
+        self.prompt = list(request.prompt)
+        self.eos_ids = tokenizer.eos_token_ids
+        hidden = hidden_tokens(tokenizer) if request.skip_special_tokens else frozenset()
+        self.text = TextStream(tokenizer, request.stop, hidden)
+        self._tic = time.perf_counter()
+        self._prompt_tps = 0.0
+        self._tokens = 0  # tokens handed out so far
+        self._commits = 0  # commits so far (the first holds the prefill's token)
+
+    def respond(self, commit: Commit) -> GenerationResponse:
+        """The response for one commit (``PREFILL_CHUNK``: an empty one, the prefill goes on);
+        its ``finish_reason`` is set once generation ends, on tokens or on a stop string."""
+        prompt = len(self.prompt)
+        if commit is PREFILL_CHUNK:
+            return GenerationResponse("", [], None, prompt, 0.0, 0, 0.0, 0.0)
+        stats = self.row.stats
+        if self._commits == 0:
+            stats.prefill_s = time.perf_counter() - self._tic
+            self._prompt_tps = (prompt - stats.cached_tokens) / stats.prefill_s
+            self._tic = time.perf_counter()
+        segment, kept, finish = self.text.feed(commit)
+        self._tokens += kept
+        kept_commit = commit.truncate(kept)
+        drafted_as = "suffix" if commit.source == SUFFIX else "draft"
+        response = GenerationResponse(
+            text=segment,
+            tokens=kept_commit.tokens,
+            finish_reason=finish,
+            prompt_tokens=prompt,
+            prompt_tps=self._prompt_tps,
+            generation_tokens=self._tokens,
+            generation_tps=self._tokens / max(time.perf_counter() - self._tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            stats=stats,
+            accepted=None if self._commits == 0 else len(commit.tokens),
+            logprobs=kept_commit.logprobs,
+            top_logprobs=kept_commit.top_logprobs,
+            stop=self.text.hit,
+            sources=[
+                (piece, drafted_as if j < kept_commit.drafted else "target")
+                for j, piece in enumerate(self.text.pieces)
+            ],
+        )
+        self._commits += 1
+        return response
+
+
 def generate(
     pair: ModelPair,
     request: GenerationRequest,
@@ -75,93 +163,23 @@ def generate(
     profile: bool = False,
     prefix: PrefixStore | None = None,
     yield_chunks: bool = False,
-    batch: BatchDecoder | None = None,
 ) -> Iterator[GenerationResponse]:
-    """Run one request on a loaded pair (its drafter is ignored when not speculative).
-
-    ``prefix``: a prefix cache to restore the prompt's longest cached prefix from and to keep
-    this prompt's state in (at ``request.checkpoints``). ``block.auto`` decides by the pair's
-    cycle costs (``ModelPair.costs``: measured at load by the engine, else on first use).
-    ``yield_chunks``: yield an empty response after each prompt chunk but the last (the engine
-    advances other streams in between). ``batch``: after its prefill the request's cycles run
-    as one row of this batch (``generation/batch.py``), which its owner steps.
-    """
-    draft = pair.draft if request.speculative else None
-    block = request.block
-    policy: FixedBlock | BlockController = FixedBlock(block.width if draft else 1)
-    suffix = None
-    if block.copies:
-        suffix = SuffixProposer(request.prompt, pair.suffix_index, block.suffix)
-    if (draft is not None and block.auto) or suffix is not None:
-        costs = pair.costs(block.suffix + 1 if suffix is not None else 0).copy()
-        policy = BlockController(block.width if draft else 1, costs, prior=pair.prior)
-    target = pair.target if draft is not None else TargetModel(pair.model, ())
-    tokenizer = pair.tokenizer
-    constraint = None if request.constraint is None else request.constraint.build(tokenizer)
-    decoder = SpeculativeDecoder(
-        target,
-        draft,
-        TokenSampler(request.sampling, request.seed, request.sampler),
-        policy,
-        prefill_step_size=prefill_step_size,
-        profile=profile,
-        logprobs=request.logprobs,
-        constraint=constraint,
-        prefix=prefix,
-        checkpoints=request.checkpoints,
-        suffix=suffix,
+    """Run one request alone on a loaded pair (its drafter is ignored when not speculative);
+    see ``Generation``. ``yield_chunks``: yield an empty response after each prompt chunk but
+    the last (a scheduler runs others in between)."""
+    run = Generation(pair, request, prefill_step_size=prefill_step_size, profile=profile,
+                     prefix=prefix)  # fmt: skip
+    commits = SpeculativeDecoder(run.row).generate(
+        run.prompt, request.max_tokens, run.eos_ids, yield_chunks
     )
-    hidden = hidden_tokens(tokenizer) if request.skip_special_tokens else frozenset()
-    text = TextStream(tokenizer, request.stop, hidden)
-    prompt = list(request.prompt)
-    tic = time.perf_counter()
-    prompt_tps, n = 0.0, 0
-    if batch is not None:
-        commits = batch.join(decoder, prompt, request.max_tokens, tokenizer.eos_token_ids)
-    else:
-        commits = decoder.generate(
-            prompt, request.max_tokens, tokenizer.eos_token_ids, yield_chunks
-        )
-    i = 0  # commits so far (the first holds the prefill's token)
     try:
         for commit in commits:
-            if commit is PREFILL_CHUNK:  # the prefill goes on: nothing to say yet
-                yield GenerationResponse("", [], None, len(prompt), 0.0, 0, 0.0, 0.0)
-                continue
-            if i == 0:
-                decoder.stats.prefill_s = time.perf_counter() - tic
-                prompt_tps = (len(prompt) - decoder.stats.cached_tokens) / decoder.stats.prefill_s
-                tic = time.perf_counter()
-            segment, kept, finish = text.feed(commit)
-            n += kept
-            kept_commit = commit.truncate(kept)
-            drafted_as = "suffix" if commit.source == SUFFIX else "draft"
-            yield GenerationResponse(
-                text=segment,
-                tokens=kept_commit.tokens,
-                finish_reason=finish,
-                prompt_tokens=len(prompt),
-                prompt_tps=prompt_tps,
-                generation_tokens=n,
-                generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-                peak_memory=mx.get_peak_memory() / 1e9,
-                stats=decoder.stats,
-                accepted=None if i == 0 else len(commit.tokens),
-                logprobs=kept_commit.logprobs,
-                top_logprobs=kept_commit.top_logprobs,
-                stop=text.hit,
-                sources=[
-                    (piece, drafted_as if j < kept_commit.drafted else "target")
-                    for j, piece in enumerate(text.pieces)
-                ],
-            )
-            i += 1
-            if finish is not None:
+            response = run.respond(commit)
+            yield response
+            if response.finish_reason is not None:
                 return
     finally:
-        close = getattr(commits, "close", None)  # a batch row leaves its batch now
-        if close is not None:
-            close()
+        commits.close()  # caches freed now; the output joins the shared suffix index
 
 
 def stream_generate(
@@ -191,7 +209,7 @@ def stream_generate(
     """Generate with DFlash speculative decoding (``draft=None``: plain decoding).
 
     The output is exactly what the target alone would produce: identical tokens under greedy
-    decoding, the same distribution under sampling (see README, "Acceptance rule"). ``sampler``
+    decoding, the same distribution under sampling (docs/design.md, "The acceptance rule"). ``sampler``
     (an mlx-lm sampler, as older reference code passes) replaces temperature/top-p/top-k/min-p.
     ``logprobs=k`` reports each token's log-probability and its k best alternatives (k may be 0);
     ``constraint`` (a grammar matcher, see ``TokenConstraint``) restricts every position.

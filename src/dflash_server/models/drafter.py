@@ -11,6 +11,7 @@ these modules (``dflash2.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from dflash_server.models.context import ContextCache
+from dflash_server.models.draft_rows import DraftRow, block_logits_together
 from dflash_server.models.fused import Norm, rope_at
 from dflash_server.models.target_parts import find_target_parts
 from dflash_server.models.variants import (
@@ -337,6 +339,36 @@ class DFlashDraftModel(nn.Module):
         (None when greedy): the contract the decoder relies on, whatever the drafter family."""
         logits = self(block_ids, target_hidden, cache, logits_start=1)[0]
         return sampler.propose(logits, history)
+
+    def propose_rows(self, rows: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array | None]]:
+        """``propose`` for several rows of this drafter, in one pass where the layers allow
+        it (``models/draft_rows.py``), else row by row."""
+        if len(rows) < 2 or not self.drafts_together(rows):
+            return [row.propose() for row in rows]
+        logits = self.block_logits_together(rows)
+        return [row.sampler.propose(x[0], row.history) for row, x in zip(rows, logits)]
+
+    def drafts_together(self, rows: Sequence[DraftRow]) -> bool:
+        """Whether these rows' blocks can share one pass: full-attention bidirectional layers
+        over the whole context or the server's sink window (which drops old entries itself)."""
+        if type(self) is not DFlashDraftModel or self.config.input_embedding_scale != 1.0:
+            return False
+        layers = all(
+            type(layer) is DFlashDecoderLayer
+            and layer.self_attn.window is None
+            and not layer.self_attn.causal
+            for layer in self.layers
+        )
+        caches = all(
+            type(c) is SinkContextCache or (type(c) is ContextCache and c.max_size is None)
+            for row in rows
+            for c in row.cache
+        )
+        return layers and caches
+
+    def block_logits_together(self, rows: Sequence[DraftRow]) -> list[mx.array]:
+        """Each row's block logits ([1, width - 1, V]) from one pass (``drafts_together``)."""
+        return block_logits_together(self, self._bound_target(), rows)
 
 
 def check_pair(config: DFlashConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:

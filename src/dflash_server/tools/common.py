@@ -13,7 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
-from dflash_server.generation.controller import FixedBlock
+from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
@@ -95,7 +96,7 @@ def decode(
     outs, cycles, committed, generated, seconds = [], 0, 0, 0, 0.0
     for prompt in prompts:
         decoder = SpeculativeDecoder(
-            target, draft, TokenSampler(SamplingParams(), 0), FixedBlock(size)
+            Row(target, draft, TokenSampler(SamplingParams(), 0), FixedBlock(size))
         )
         out: list[int] = []
         start = 0.0
