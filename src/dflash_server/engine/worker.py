@@ -106,12 +106,13 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         batching: str = "batched",
         max_verify: int | None = None,
+        on_pass: Callable[[int, int], None] | None = None,
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         self.batching, self.max_verify = batching, max_verify
         self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
-        self.on_pass: Callable[[int, int], None] | None = None  # (rows, verified positions)
+        self.on_pass = on_pass  # each batched pass: (rows, verified positions)
         self._loader = loader
         self.prefix_cache = prefix_cache
         self._generate = generate or self._run_request
