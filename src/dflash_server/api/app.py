@@ -60,11 +60,8 @@ def build_engine(
             log.info("prefix cache: off")
         else:
             if settings.prefix_cache_dir:
-                prefix_cache.disk = PrefixDisk(
-                    settings.prefix_cache_dir,
-                    settings.prefix_cache_disk_bytes,
-                    models.summary.fingerprint,
-                )
+                folder, budget = settings.prefix_cache_dir, settings.prefix_cache_disk_bytes
+                prefix_cache.add_disk(PrefixDisk(folder, budget, models.summary.fingerprint))
             log.info("prefix cache: %s", prefix_cache.describe())
         log.info(
             "ready: serving %r at http://%s:%d/v1", settings.model_id, settings.host, settings.port
