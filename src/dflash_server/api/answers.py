@@ -66,7 +66,9 @@ class Shaper(Protocol):
         """What goes out at once, before prefill, so clients see the stream is alive."""
         ...
 
-    def feed(self, text: TextChunk) -> list[dict[str, Any]]: ...
+    def feed(self, text: TextChunk) -> list[dict[str, Any]]:
+        """The events new text makes (none while it is held back)."""
+        ...
 
     def finish(self, done: Finished) -> list[dict[str, Any]]:
         """The events that close a successful answer."""
