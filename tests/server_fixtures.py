@@ -195,10 +195,12 @@ def slow(generate: Any, delay: float) -> Any:
 def make_app(target: Path, draft: Path, *, generate: Any = None, **settings: Any) -> Any:
     """An app serving the tiny fixture models; ``generate`` swaps stream_generate for a test double."""
     from dflash_server.api.app import build_engine, create_app
+    from dflash_server.api.metrics import Metrics
     from dflash_server.settings import Settings
 
     s = Settings.load(target=str(target), draft=str(draft), **settings)
-    return create_app(s, build_engine(s, generate=generate))
+    metrics = Metrics() if s.metrics else None
+    return create_app(s, build_engine(s, generate=generate, metrics=metrics), metrics)
 
 
 def start_engine(models: Any, generate: Any, **settings: Any) -> Any:

@@ -181,6 +181,7 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
     import uvicorn
 
     from dflash_server.api.app import build_engine, create_app
+    from dflash_server.api.metrics import Metrics
     from dflash_server.api.shutdown import GracefulServer
 
     failure: list[str] = []
@@ -191,10 +192,15 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
         if server is not None:
             server.should_exit = True
 
+    metrics = Metrics() if settings.metrics else None
     engine = build_engine(
-        settings, target_path=target_path, draft_path=draft_path, on_fatal=on_fatal
+        settings,
+        target_path=target_path,
+        draft_path=draft_path,
+        on_fatal=on_fatal,
+        metrics=metrics,
     )
-    app = create_app(settings, engine)
+    app = create_app(settings, engine, metrics)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -1,8 +1,9 @@
-"""What the three protocols' answer shapers share: a job's events, the split of model text into
-reasoning, content and tool calls, the ``dflash`` object, and running an answer to its end.
+"""The one answer path: a job's events through a protocol's ``Shaper``, and what shapers share.
 
-Each protocol shapes one stream of events (``openai_events.py``, ``anthropic_events.py``,
-``openai_responses_events.py``); a non-streamed answer is that stream run to the end.
+``answer`` runs every API: streamed, the shaper's events go out as server-sent events;
+otherwise the same events run to their end and ``Shaper.whole`` is the JSON body. The shapers
+(``openai_events.py``, ``anthropic_events.py``, ``openai_responses_events.py``) share
+``ChatText`` (model text -> reasoning, content and tool calls) and ``dflash_stats``.
 """
 
 from __future__ import annotations
@@ -11,13 +12,19 @@ import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Protocol
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared
 from dflash_server.chat.reasoning import ReasoningSplitter, think_markers
 from dflash_server.chat.tool_calls import ToolCall, ToolCallParser
-from dflash_server.engine.jobs import Event, Finished, Job
+from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
+from dflash_server.settings import Settings
 
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -27,20 +34,122 @@ def dumps(obj: dict[str, Any]) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-class ClientGone(Exception):
-    """The client of a non-streamed request went away."""
+@dataclass(frozen=True)
+class Wire:
+    """How a protocol's events go out as server-sent events."""
+
+    named: bool = False  # `event:` (the event's "type") + data, else a bare `data:` line
+    done: str | None = None  # a last data line after the events (OpenAI's "[DONE]")
+    ping: dict[str, Any] | None = None  # the keepalive event (None: an SSE comment)
+
+    def item(self, event: dict[str, Any]) -> str | ServerSentEvent:
+        # A bare string takes the response's "\n" separator; a ServerSentEvent keeps "\r\n".
+        if self.named:
+            return ServerSentEvent(data=dumps(event), event=event["type"])
+        return dumps(event)
+
+    def ping_event(self) -> ServerSentEvent:
+        assert self.ping is not None
+        return ServerSentEvent(data=dumps(self.ping), event=self.ping["type"])
 
 
-async def run_to_end(events: AsyncGenerator[Any, None]) -> bool:
-    """Consume a non-streamed answer's events (closing them either way); False if the client
-    left on the way."""
+class Shaper(Protocol):
+    """One API's answer: a job's events in, that API's events out, and the whole body.
+
+    Events are JSON objects; ``wire`` says how they are sent. A non-streamed answer calls the
+    same methods (a failure then raises ``APIError`` instead of ``fail``).
+    """
+
+    wire: ClassVar[Wire]
+
+    def start(self) -> list[dict[str, Any]]:
+        """What goes out at once, before prefill, so clients see the stream is alive."""
+        ...
+
+    def feed(self, text: TextChunk) -> list[dict[str, Any]]:
+        """The events new text makes (none while it is held back)."""
+        ...
+
+    def finish(self, done: Finished) -> list[dict[str, Any]]:
+        """The events that close a successful answer."""
+        ...
+
+    def fail(self, failed: Failed) -> list[dict[str, Any]]:
+        """A streamed failure as this API's error event."""
+        ...
+
+    def whole(self) -> dict[str, Any]:
+        """The non-streamed body, once ``finish`` ran."""
+        ...
+
+
+async def answer(
+    shaper: Shaper,
+    job: Job,
+    stream: bool,
+    request: Request,
+    settings: Settings,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """The HTTP answer to a submitted job: a stream of ``shaper``'s events, or its whole body
+    (499 when the client left first; a failure raises ``APIError`` with the job's status)."""
+    if stream:
+        wire = shaper.wire
+        return EventSourceResponse(
+            _sse(shaper, job, settings.stream_interval),
+            ping=settings.keepalive,
+            sep="\n",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}),
+            ping_message_factory=wire.ping_event if wire.ping is not None else None,
+        )
+    events = _events(shaper, job, is_disconnected=request.is_disconnected)
     try:
-        async with aclosing(events) as stream:
-            async for _ in stream:
+        async with aclosing(events) as run:
+            async for _ in run:
                 pass
     except ClientGone:
-        return False
-    return True
+        return Response(status_code=499)  # nobody reads this
+    return JSONResponse(shaper.whole(), headers=headers)
+
+
+async def _sse(shaper: Shaper, job: Job, interval: float) -> AsyncGenerator[Any, None]:
+    """The stream's items; ``interval``: minimum seconds between text events."""
+    async with aclosing(_events(shaper, job, interval=interval)) as events:
+        async for event in events:
+            yield shaper.wire.item(event)
+    if shaper.wire.done is not None:
+        yield shaper.wire.done
+
+
+async def _events(
+    shaper: Shaper,
+    job: Job,
+    interval: float = 0.0,
+    is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The answer's events (``is_disconnected`` set: not streamed, a failure raises)."""
+    for event in shaper.start():
+        yield event
+    finished = False
+    events = job_events(job, interval=interval, is_disconnected=is_disconnected)
+    async with aclosing(events) as stream:
+        async for ev in stream:
+            if isinstance(ev, TextChunk):
+                out = shaper.feed(ev)
+            elif isinstance(ev, Finished):
+                finished, out = True, shaper.finish(ev)
+            elif is_disconnected is not None:
+                raise APIError(ev.status, ev.message, code=ev.code)
+            else:
+                out = shaper.fail(ev)
+            for event in out:
+                yield event
+    if not finished and is_disconnected is not None:
+        raise APIError(500, "generation ended without a final event", code="generation_failed")
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request went away."""
 
 
 async def job_events(

@@ -2,7 +2,8 @@
 
 The model's text is split by ``ChatText`` (tool calls cut out, reasoning apart) into Anthropic
 content blocks; the stream is Anthropic's event sequence (``message_start``, ``ping``, per block
-``content_block_start``/``_delta``/``_stop``, ``message_delta``, ``message_stop``).
+``content_block_start``/``_delta``/``_stop``, ``message_delta``, ``message_stop``), each event
+named by its payload's ``type``. A non-streamed answer is the same stream run to the end.
 
 Stop sequences are the request's stop strings (matched by the generation's text stream, which
 reports the one that ended it: ``stop_reason: "stop_sequence"``, ``stop_sequence``).
@@ -12,41 +13,72 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing
-from typing import Any
+from typing import Any, ClassVar
 
-from sse_starlette import ServerSentEvent
-
-from dflash_server.api.answers import ChatText, dflash_stats, dumps, job_events, run_to_end
+from dflash_server.api.answers import ChatText, Wire, dflash_stats
 from dflash_server.api.anthropic import sign_thinking
-from dflash_server.api.errors import APIError, anthropic_error
+from dflash_server.api.errors import anthropic_error
 from dflash_server.api.prepare import Prepared
 from dflash_server.chat.tool_calls import ToolCall
-from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
+from dflash_server.engine.jobs import Failed, Finished, TextChunk
 
-Event = tuple[str, dict[str, Any]]  # (event name, payload)
+Event = dict[str, Any]  # its "type" is the SSE event name
 
 
 class MessageShaper:
-    """Model text -> Anthropic content blocks, and the stream events that build them."""
+    """Job events -> Anthropic content blocks, the stream events that build them, the message."""
+
+    wire: ClassVar[Wire] = Wire(named=True, ping={"type": "ping"})  # Anthropic's own keepalive
 
     def __init__(self, prepared: Prepared, tokenizer: Any, omit_thinking: bool = False) -> None:
+        self.p = prepared
         self.chat = ChatText(prepared, tokenizer)
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # type of the block being written ("thinking", "text")
-        self.tokens = 0
         # thinking.display "omitted": thinking blocks carry no text, only a signature (which
         # holds the text, so the block sent back renders the same prompt; see anthropic.py).
         self.omit_thinking = omit_thinking
         self.hidden = ""
+        self.message: dict[str, Any] = {
+            "id": f"msg_{uuid.uuid4().hex}",
+            "type": "message",
+            "role": "assistant",
+            "model": prepared.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(prepared, None),
+        }
 
-    def feed(self, ev: TextChunk) -> list[Event]:
-        self.tokens += ev.tokens
-        return self._pieces(*self.chat.feed(ev.text))
+    def start(self) -> list[Event]:
+        return [{"type": "message_start", "message": dict(self.message)}, {"type": "ping"}]
 
-    def finish(self, reason: str) -> list[Event]:
-        return self._pieces(*self.chat.finish(reason)) + self._close()
+    def feed(self, text: TextChunk) -> list[Event]:
+        return self._pieces(*self.chat.feed(text.text))
+
+    def finish(self, done: Finished) -> list[Event]:
+        """The held-back text, the last block closed, then the message's end."""
+        reason = done.finish_reason
+        events = self._pieces(*self.chat.finish(reason)) + self._close()
+        self.message |= {
+            "content": self.blocks,
+            "stop_reason": self.stop_reason(reason, done.stop_sequence),
+            "stop_sequence": done.stop_sequence,
+            "usage": _usage(self.p, done),
+            "dflash": self.chat.stats(dflash_stats(done)),
+        }
+        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": done.stop_sequence}
+        return [
+            *events,
+            {"type": "message_delta", "delta": delta, "usage": self.message["usage"]},
+            {"type": "message_stop"},
+        ]
+
+    def fail(self, failed: Failed) -> list[Event]:
+        return [anthropic_error(failed.status, failed.message)]
+
+    def whole(self) -> dict[str, Any]:
+        return self.message
 
     def stop_reason(self, reason: str, stop_sequence: str | None) -> str:
         if stop_sequence is not None:
@@ -66,7 +98,7 @@ class MessageShaper:
             events += [
                 _start(index, block | {"input": {}}),
                 _delta(index, {"type": "input_json_delta", "partial_json": call.arguments}),
-                ("content_block_stop", {"type": "content_block_stop", "index": index}),
+                {"type": "content_block_stop", "index": index},
             ]
         return events
 
@@ -96,113 +128,23 @@ class MessageShaper:
             self.blocks[-1]["signature"] = signature
             events.append(_delta(index, {"type": "signature_delta", "signature": signature}))
         self.open = None
-        return [*events, ("content_block_stop", {"type": "content_block_stop", "index": index})]
+        return [*events, {"type": "content_block_stop", "index": index}]
 
 
 def _start(index: int, block: dict[str, Any]) -> Event:
-    return "content_block_start", {
-        "type": "content_block_start",
-        "index": index,
-        "content_block": block,
-    }
+    return {"type": "content_block_start", "index": index, "content_block": block}
 
 
 def _delta(index: int, delta: dict[str, Any]) -> Event:
-    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    return {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-def _usage(prepared: Prepared, output_tokens: int, done: Finished | None) -> dict[str, int]:
+def _usage(prepared: Prepared, done: Finished | None) -> dict[str, int]:
     """Anthropic counts cache reads apart: input_tokens is what had to be prefilled."""
     cached = done.cached_tokens if done is not None else 0
     return {
         "input_tokens": len(prepared.request.prompt) - cached,
-        "output_tokens": output_tokens,
+        "output_tokens": done.completion_tokens if done is not None else 0,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
     }
-
-
-class _Run:
-    """One Messages request against its job: the events, and the whole message at the end."""
-
-    def __init__(self, prepared: Prepared, job: Job, tokenizer: Any, omit_thinking: bool):
-        self.p, self.job = prepared, job
-        self.shaper = MessageShaper(prepared, tokenizer, omit_thinking)
-        self.message: dict[str, Any] = {
-            "id": f"msg_{uuid.uuid4().hex}",
-            "type": "message",
-            "role": "assistant",
-            "model": prepared.model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": _usage(prepared, 0, None),
-        }
-
-    async def events(
-        self,
-        interval: float = 0.0,
-        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-    ) -> AsyncGenerator[Event, None]:
-        """The stream's events; at the end ``self.message`` is the whole answer."""
-        yield "message_start", {"type": "message_start", "message": dict(self.message)}
-        yield "ping", {"type": "ping"}
-        done: Finished | None = None
-        events = job_events(self.job, interval=interval, is_disconnected=is_disconnected)
-        async with aclosing(events) as stream:
-            async for ev in stream:
-                if isinstance(ev, TextChunk):
-                    for event in self.shaper.feed(ev):
-                        yield event
-                elif isinstance(ev, Finished):
-                    done = ev
-                elif isinstance(ev, Failed):
-                    if is_disconnected is not None:
-                        raise APIError(ev.status, ev.message, code=ev.code)
-                    yield "error", anthropic_error(ev.status, ev.message)
-                    return
-        reason = done.finish_reason if done is not None else "stop"
-        for event in self.shaper.finish(reason):
-            yield event
-        tokens = done.completion_tokens if done is not None else self.shaper.tokens
-        stop_sequence = done.stop_sequence if done is not None else None
-        self.message |= {
-            "content": self.shaper.blocks,
-            "stop_reason": self.shaper.stop_reason(reason, stop_sequence),
-            "stop_sequence": stop_sequence,
-            "usage": _usage(self.p, tokens, done),
-        }
-        if done is not None:
-            self.message["dflash"] = self.shaper.chat.stats(dflash_stats(done))
-        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": stop_sequence}
-        yield (
-            "message_delta",
-            {"type": "message_delta", "delta": delta, "usage": self.message["usage"]},
-        )
-        yield "message_stop", {"type": "message_stop"}
-
-
-async def stream_messages(
-    prepared: Prepared, job: Job, tokenizer: Any, interval: float, omit_thinking: bool = False
-) -> AsyncGenerator[ServerSentEvent, None]:
-    """A Messages stream as server-sent events (``event:`` names and JSON data)."""
-    run = _Run(prepared, job, tokenizer, omit_thinking)
-    async for name, payload in run.events(interval):
-        yield ServerSentEvent(data=dumps(payload), event=name)
-
-
-def ping() -> ServerSentEvent:
-    """Anthropic's keepalive event (sent while a long prompt is prefilled)."""
-    return ServerSentEvent(data='{"type":"ping"}', event="ping")
-
-
-async def collect_message(
-    prepared: Prepared,
-    job: Job,
-    tokenizer: Any,
-    is_disconnected: Callable[[], Awaitable[bool]],
-    omit_thinking: bool = False,
-) -> dict[str, Any] | None:
-    """The whole message; None if the client went away."""
-    run = _Run(prepared, job, tokenizer, omit_thinking)
-    return run.message if await run_to_end(run.events(is_disconnected=is_disconnected)) else None

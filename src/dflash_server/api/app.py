@@ -33,11 +33,12 @@ def build_engine(
     draft_path: str | None = None,
     on_fatal: Callable[[str], None] | None = None,
     generate: GenerateFn | None = None,
+    metrics: Metrics | None = None,
 ) -> Engine:
     """An engine that loads the configured models on its worker thread and logs what it got.
 
     ``target_path``/``draft_path`` are already-downloaded folders (the CLI fetches first);
-    ``generate`` replaces ``stream_generate``, for tests.
+    ``generate`` replaces ``stream_generate``, for tests; ``metrics`` hears of every batched pass.
     """
 
     prefix_cache = PrefixCache(settings.prefix_cache_budget) if settings.prefix_cache else None
@@ -59,11 +60,8 @@ def build_engine(
             log.info("prefix cache: off")
         else:
             if settings.prefix_cache_dir:
-                prefix_cache.disk = PrefixDisk(
-                    settings.prefix_cache_dir,
-                    settings.prefix_cache_disk_bytes,
-                    models.summary.fingerprint,
-                )
+                folder, budget = settings.prefix_cache_dir, settings.prefix_cache_disk_bytes
+                prefix_cache.add_disk(PrefixDisk(folder, budget, models.summary.fingerprint))
             log.info("prefix cache: %s", prefix_cache.describe())
         log.info(
             "ready: serving %r at http://%s:%d/v1", settings.model_id, settings.host, settings.port
@@ -80,12 +78,20 @@ def build_engine(
         generate=generate,
         on_fatal=on_fatal,
         prefix_cache=prefix_cache,
+        on_pass=metrics.observe_pass if metrics is not None else None,
     )
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
-    """Build the app. The engine starts (and loads models) with the app and stops with it."""
-    engine = engine or build_engine(settings)
+def create_app(
+    settings: Settings, engine: Engine | None = None, metrics: Metrics | None = None
+) -> FastAPI:
+    """Build the app. The engine starts (and loads models) with the app and stops with it.
+
+    By default both come from ``settings``; a caller that builds the engine passes the
+    ``Metrics`` it gave ``build_engine`` (else /metrics counts no batched passes).
+    """
+    metrics = (metrics or Metrics()) if settings.metrics else None
+    engine = engine or build_engine(settings, metrics=metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -99,7 +105,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.started = int(time.time())
-    app.state.metrics = Metrics(engine) if settings.metrics else None
+    app.state.metrics = metrics
     app.state.responses = ResponseStore(settings.responses_store)
     install_error_handlers(app)
     protected = ("/metrics",) if settings.metrics_auth else ()

@@ -4,9 +4,10 @@ Requests are counted by endpoint and status by an ASGI middleware (which also na
 request: the client's ``x-request-id`` when it is a plain token, else a new one). Generation
 metrics come from the jobs themselves: ``MeteredJob`` records its events as the engine's worker
 emits them (time to first token, per-token latency, tokens, tau and acceptance, cycles and
-tokens by source, outcome), and
-queue depth, active requests and the prefix cache's counters are read at each scrape. Each app
-has its own registry, so several servers in one process (tests) do not share counters.
+tokens by source, outcome), and the engine reports each batched pass (``Metrics.observe_pass``,
+given to it at construction); queue depth, active requests and the prefix cache's counters are
+read from the engine at each scrape. Each app has its own registry, so several servers in one
+process (tests) do not share counters.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from fastapi.responses import Response
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
@@ -69,9 +70,8 @@ def endpoint_label(path: str) -> str:
 class Metrics:
     """The server's metrics, in one registry."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self) -> None:
         disable_created_metrics()  # no *_created series: timestamps of first use are noise here
-        self.engine = engine
         self.registry = r = CollectorRegistry()
         by_endpoint = ["endpoint"]
         self.requests = Counter(
@@ -172,19 +172,15 @@ class Metrics:
             buckets=_VERIFY,
             registry=r,
         )
-        engine.on_pass = self.observe_pass
-        rows = Gauge("dflash_active_rows", "requests running as rows of the batch", registry=r)
-        rows.set_function(lambda: engine.active_rows)
-        waiting = Gauge("dflash_queue_depth", "requests waiting for an active slot", registry=r)
-        waiting.set_function(lambda: max(0, engine.queue_depth - engine.active))
-        active = Gauge("dflash_active_requests", "requests generating now", registry=r)
-        active.set_function(lambda: engine.active)
-        r.register(_PrefixCacheCollector(engine))
 
     def observe_pass(self, rows: int, verified: int) -> None:
-        """One batched pass (called on the engine's worker thread)."""
+        """One batched pass (the engine's ``on_pass``, called on its worker thread)."""
         self.batch_rows.observe(rows)
         self.batch_verify.observe(verified)
+
+    def exposition(self, engine: Engine) -> bytes:
+        """The Prometheus text: what was counted, then ``engine``'s gauges as they are now."""
+        return generate_latest(self.registry) + generate_latest(_EngineGauges(engine))
 
     def job(self, request: GenerationRequest, endpoint: str) -> MeteredJob:
         return MeteredJob(request, self, endpoint)
@@ -234,15 +230,23 @@ class MeteredJob(Job):
         super().emit(event)
 
 
-class _PrefixCacheCollector:
-    """The prefix cache's own counters, read at scrape time (nothing when there is none)."""
+class _EngineGauges(Collector):
+    """The engine's load and its prefix cache's counters, read when scraped."""
 
     def __init__(self, engine: Engine) -> None:
-        disable_created_metrics()  # no *_created series: timestamps of first use are noise here
         self.engine = engine
 
     def collect(self) -> Iterator[Any]:
-        cache = getattr(self.engine, "prefix_cache", None)
+        engine = self.engine
+        yield GaugeMetricFamily(
+            "dflash_active_rows", "requests running as rows of the batch", engine.active_rows
+        )
+        waiting = max(0, engine.queue_depth - engine.active)
+        yield GaugeMetricFamily(
+            "dflash_queue_depth", "requests waiting for an active slot", waiting
+        )
+        yield GaugeMetricFamily("dflash_active_requests", "requests generating now", engine.active)
+        cache = engine.prefix_cache
         if cache is None:
             return
         stats = cache.stats()
@@ -295,5 +299,5 @@ router = APIRouter()
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
-    registry = request.app.state.metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    state = request.app.state
+    return Response(state.metrics.exposition(state.engine), media_type=CONTENT_TYPE_LATEST)

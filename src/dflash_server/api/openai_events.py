@@ -5,25 +5,21 @@ carries ``finish_reason`` (and our ``dflash`` stats), an optional usage chunk wi
 follows when ``stream_options.include_usage`` is set, then ``data: [DONE]``. Tool calls go out
 as ``delta.tool_calls[index]`` (each call whole, once parsed); logprobs ride on the chunk that
 carries their tokens' text (or the next one, when text is held back). A non-streamed answer is
-the same stream run to the end (``CompletionShaper.whole``).
+the same stream run to the end (``whole``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing
-from typing import Any
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
-from dflash_server.api.answers import ChatText, dflash_stats, dumps, job_events, run_to_end
-from dflash_server.api.errors import APIError
+from dflash_server.api.answers import ChatText, Wire, dflash_stats
 from dflash_server.api.prepare import Prepared
 from dflash_server.chat.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from dflash_server.chat.tool_calls import ToolCall
-from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
-
-DONE = "[DONE]"
+from dflash_server.engine.jobs import Failed, Finished, TextChunk
 
 
 def usage(done: Finished) -> dict[str, Any]:
@@ -35,36 +31,30 @@ def usage(done: Finished) -> dict[str, Any]:
     }
 
 
-def _error(ev: Failed) -> dict[str, Any]:
-    kind = "service_unavailable" if ev.status == 503 else "server_error"
-    return {"error": {"message": ev.message, "type": kind, "param": None, "code": ev.code}}
+class _Completion(ABC):
+    """What chat and text completions share: the chunk envelope, the logprobs and dflash tokens
+    not sent yet, the closing chunks and the error object."""
 
+    wire: ClassVar[Wire] = Wire(done="[DONE]")
+    id_prefix: ClassVar[str]
+    chunk_object: ClassVar[str]
+    whole_object: ClassVar[str]
 
-class CompletionShaper:
-    """Job events -> chat (or text) completion chunks, keeping what the whole answer needs."""
-
-    def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
+    def __init__(self, prepared: Prepared) -> None:
         self.p = prepared
-        chat = prepared.kind == "chat"
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
-        self.chat = ChatText(prepared, tokenizer) if chat else None
-        self.sent = 0  # length of the token strings sent so far (logprobs text_offset)
         asked = prepared.request.logprobs is not None
         self.logprobs: list[TokenLogprob] | None = [] if asked else None  # not yet sent
         self.all_logprobs: list[TokenLogprob] = []
         # The dflash_tokens extension: tokens not sent yet, as {"text", "source"}.
         self.tokens: list[dict[str, str]] | None = [] if prepared.dflash_tokens else None
-        # The whole answer so far.
-        self.text = self.reasoning = self.content = ""
-        self.calls: list[ToolCall] = []
         self.done: Finished | None = None
 
     def chunk(self, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
         base = {
             "id": self.id,
-            "object": self.object,
+            "object": self.chunk_object,
             "created": self.created,
             "model": self.p.model,
             "choices": [choice] if choice else [],
@@ -75,45 +65,138 @@ class CompletionShaper:
             base["dflash_tokens"], self.tokens = self.tokens, []
         return base | extra
 
-    def start(self) -> dict[str, Any] | None:
-        """The role chunk (chat): it goes out at once, before prefill, so clients see the
-        stream is alive."""
-        if self.chat is None:
-            return None
-        delta = {"role": "assistant", "content": ""}
-        return self.chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def feed(self, text: TextChunk) -> list[dict[str, Any]]:
+        self.all_logprobs += text.logprobs or []
+        if self.logprobs is not None:
+            self.logprobs += text.logprobs or []
+        if self.tokens is not None:
+            self.tokens += [{"text": t, "source": source} for t, source in text.sources or []]
+        return self._text(text.text)
+
+    def finish(self, done: Finished) -> list[dict[str, Any]]:
+        """The chunks that close the stream: the held-back text, the finish, the usage."""
+        self.done = done
+        out = self._rest(done.finish_reason)
+        logprobs = self._take_logprobs() if self.logprobs else None
+        choice = {"index": 0, **self._no_text(), "logprobs": logprobs}
+        choice["finish_reason"] = self._finish_reason(done)
+        out.append(self.chunk(choice, dflash=self._stats(done)))
+        if self.p.include_usage:
+            out.append(self.chunk({}, usage=usage(done)))
+        return out
+
+    def fail(self, failed: Failed) -> list[dict[str, Any]]:
+        kind = "service_unavailable" if failed.status == 503 else "server_error"
+        error = {"message": failed.message, "type": kind, "param": None, "code": failed.code}
+        return [{"error": error}]
 
     def _take_logprobs(self) -> dict[str, Any] | None:
         """The logprobs not yet sent, in this endpoint's shape (None when not asked for)."""
         if self.logprobs is None:
             return None
         entries, self.logprobs = self.logprobs, []
-        if self.chat is not None:
-            return chat_logprobs(entries)
+        return self._logprobs(entries)
+
+    def _choice(self, **fields: Any) -> list[dict[str, Any]]:
+        """A chunk of new output, with the logprobs that came with it."""
+        choice = {"index": 0, **fields, "logprobs": self._take_logprobs(), "finish_reason": None}
+        return [self.chunk(choice)]
+
+    # ----- what differs between chat and text ----------------------------------------------
+
+    @abstractmethod
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        """The chunks for new text (none while it is held back)."""
+
+    def _rest(self, reason: str) -> list[dict[str, Any]]:
+        """The chunks for text held back until the output ended with ``reason``."""
+        return []
+
+    @abstractmethod
+    def _no_text(self) -> dict[str, Any]:
+        """The choice's empty text, on the closing chunk."""
+
+    @abstractmethod
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """``entries`` in this endpoint's logprobs shape."""
+
+    def _finish_reason(self, done: Finished) -> str:
+        return done.finish_reason
+
+    def _stats(self, done: Finished) -> dict[str, Any]:
+        return dflash_stats(done)
+
+    @abstractmethod
+    def _whole_choice(self, done: Finished) -> dict[str, Any]:
+        """The whole answer's choice."""
+
+    def whole(self) -> dict[str, Any]:
+        done = self.done
+        assert done is not None, "the answer has not ended"
+        choice = self._whole_choice(done)
+        body: dict[str, Any] = {"id": self.id, "object": self.whole_object, "choices": [choice]}
+        body |= {"created": self.created, "model": self.p.model, "usage": usage(done)}
+        return body | {"dflash": self._stats(done)}
+
+
+class TextShaper(_Completion):
+    """Job events -> text completion chunks (``/v1/completions``)."""
+
+    id_prefix, chunk_object, whole_object = "cmpl-", "text_completion", "text_completion"
+
+    def __init__(self, prepared: Prepared) -> None:
+        super().__init__(prepared)
+        self.sent = 0  # length of the token strings sent so far (logprobs text_offset)
+        self.text = ""
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        self.text += text
+        return self._choice(text=text) if text else []
+
+    def _no_text(self) -> dict[str, Any]:
+        return {"text": ""}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         out = completion_logprobs(entries, self.sent)
         self.sent += sum(len(e.token) for e in entries)
         return out
 
-    def text_chunk(self, ev: TextChunk | None, finish: str | None = None) -> dict[str, Any] | None:
-        """A chunk for new text, or for the held-back rest once the output ended with
-        ``finish`` (None when nothing is to be sent yet)."""
-        text = ev.text if ev is not None else ""
-        if ev is not None:
-            self.all_logprobs += ev.logprobs or []
-            if self.logprobs is not None:
-                self.logprobs += ev.logprobs or []
-            if self.tokens is not None:
-                self.tokens += [{"text": t, "source": source} for t, source in ev.sources or []]
-        if self.chat is None:
-            self.text += text
-            if not text:
-                return None
-            choice = {"index": 0, "text": text, "logprobs": self._take_logprobs()}
-            return self.chunk(choice | {"finish_reason": None})
-        if finish is None:
-            reasoning, content, calls = self.chat.feed(text)
-        else:
-            reasoning, content, calls = self.chat.finish(finish)
+    def _whole_choice(self, done: Finished) -> dict[str, Any]:
+        asked = self.p.request.logprobs is not None
+        return {
+            "index": 0,
+            "text": self.text,
+            "logprobs": completion_logprobs(self.all_logprobs) if asked else None,
+            "finish_reason": done.finish_reason,
+        }
+
+
+class ChatShaper(_Completion):
+    """Job events -> chat completion chunks: reasoning, content and tool calls apart."""
+
+    id_prefix, whole_object = "chatcmpl-", "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
+        super().__init__(prepared)
+        self.chat = ChatText(prepared, tokenizer)
+        self.reasoning = self.content = ""  # the whole answer so far
+        self.calls: list[ToolCall] = []
+
+    def start(self) -> list[dict[str, Any]]:
+        delta = {"role": "assistant", "content": ""}
+        return [self.chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})]
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        return self._delta(*self.chat.feed(text))
+
+    def _rest(self, reason: str) -> list[dict[str, Any]]:
+        return self._delta(*self.chat.finish(reason))
+
+    def _delta(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
         self.reasoning, self.content = self.reasoning + reasoning, self.content + content
         delta: dict[str, Any] = {}
         if reasoning:
@@ -124,52 +207,21 @@ class CompletionShaper:
         if calls:
             delta["tool_calls"] = [c.as_openai(len(self.calls) + i) for i, c in enumerate(calls)]
             self.calls += calls
-        if not delta:
-            return None
-        choice = {"index": 0, "delta": delta, "logprobs": self._take_logprobs()}
-        return self.chunk(choice | {"finish_reason": None})
+        return self._choice(delta=delta) if delta else []
+
+    def _no_text(self) -> dict[str, Any]:
+        return {"delta": {}}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        return chat_logprobs(entries)
 
     def _finish_reason(self, done: Finished) -> str:
-        reason = done.finish_reason
-        return self.chat.finish_reason(reason) if self.chat is not None else reason
+        return self.chat.finish_reason(done.finish_reason)
 
     def _stats(self, done: Finished) -> dict[str, Any]:
-        stats = dflash_stats(done)
-        return self.chat.stats(stats) if self.chat is not None else stats
+        return self.chat.stats(dflash_stats(done))
 
-    def end(self, done: Finished) -> list[dict[str, Any]]:
-        """The chunks that close the stream: the held-back text, the finish, the usage."""
-        self.done = done
-        out = []
-        if self.chat is not None and (rest := self.text_chunk(None, done.finish_reason)):
-            out.append(rest)
-        key, empty = ("delta", {}) if self.chat is not None else ("text", "")
-        logprobs = self._take_logprobs() if self.logprobs else None
-        choice = {"index": 0, key: empty, "logprobs": logprobs}
-        out.append(
-            self.chunk(
-                choice | {"finish_reason": self._finish_reason(done)}, dflash=self._stats(done)
-            )
-        )
-        if self.p.include_usage:
-            out.append(self.chunk({}, usage=usage(done)))
-        return out
-
-    def whole(self) -> dict[str, Any]:
-        """The non-streamed answer, once ``end`` ran."""
-        done = self.done
-        assert done is not None, "the answer has not ended"
-        asked = self.p.request.logprobs is not None
-        common = {"created": self.created, "model": self.p.model, "usage": usage(done)}
-        if self.chat is None:
-            choice = {
-                "index": 0,
-                "text": self.text,
-                "logprobs": completion_logprobs(self.all_logprobs) if asked else None,
-                "finish_reason": done.finish_reason,
-            }
-            body = {"id": self.id, "object": "text_completion", "choices": [choice]}
-            return body | common | {"dflash": self._stats(done)}
+    def _whole_choice(self, done: Finished) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.content, "refusal": None}
         if self.calls:
             # OpenAI sends null content beside tool calls unless the model also said something.
@@ -178,62 +230,10 @@ class CompletionShaper:
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
             message["reasoning"] = self.reasoning
-        choice = {
+        asked = self.p.request.logprobs is not None
+        return {
             "index": 0,
             "message": message,
             "logprobs": chat_logprobs(self.all_logprobs) if asked else None,
             "finish_reason": self._finish_reason(done),
         }
-        body = {"id": self.id, "object": "chat.completion", "choices": [choice]}
-        return body | common | {"dflash": self._stats(done)}
-
-
-async def _chunks(
-    shaper: CompletionShaper,
-    job: Job,
-    interval: float = 0.0,
-    is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-) -> AsyncGenerator[dict[str, Any], None]:
-    """The answer's chunks (a failure: an error object when streaming, else APIError)."""
-    if (first := shaper.start()) is not None:
-        yield first
-    events = job_events(job, interval=interval, is_disconnected=is_disconnected)
-    async with aclosing(events) as stream:
-        async for ev in stream:
-            if isinstance(ev, TextChunk):
-                if (data := shaper.text_chunk(ev)) is not None:
-                    yield data
-            elif isinstance(ev, Finished):
-                for data in shaper.end(ev):
-                    yield data
-            elif isinstance(ev, Failed):
-                if is_disconnected is not None:
-                    raise APIError(ev.status, ev.message, code=ev.code)
-                yield _error(ev)
-    if shaper.done is None and is_disconnected is not None:
-        raise APIError(500, "generation ended without a final event", code="generation_failed")
-
-
-async def stream_response(
-    prepared: Prepared, job: Job, tokenizer: Any, interval: float = 0.0
-) -> AsyncGenerator[str, None]:
-    """The ``data:`` payloads of a streamed chat or text completion.
-
-    ``interval``: minimum seconds between text events; faster tokens are sent together.
-    """
-    async with aclosing(_chunks(CompletionShaper(prepared, tokenizer), job, interval)) as chunks:
-        async for chunk in chunks:
-            yield dumps(chunk)
-    yield DONE
-
-
-async def collect_response(
-    prepared: Prepared,
-    job: Job,
-    tokenizer: Any,
-    is_disconnected: Callable[[], Awaitable[bool]],
-) -> dict[str, Any] | None:
-    """Run a job to the end and build the whole response; None if the client went away."""
-    shaper = CompletionShaper(prepared, tokenizer)
-    finished = await run_to_end(_chunks(shaper, job, is_disconnected=is_disconnected))
-    return shaper.whole() if finished else None

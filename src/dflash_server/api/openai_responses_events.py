@@ -7,27 +7,23 @@ items; the stream is the Responses event sequence: ``response.created``,
 ``response.function_call_arguments.delta``) and their ``.done`` events,
 ``response.output_item.done``; then ``response.completed`` (``response.incomplete`` when
 ``max_output_tokens`` cut it, ``response.failed`` on an error). Every event has a
-``sequence_number``.
+``sequence_number``. A non-streamed answer is the same stream run to the end; a finished
+response is kept in the store (unless ``store: false``) with the conversation it ends.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing
-from typing import Any
+from typing import Any, ClassVar
 
-from sse_starlette import ServerSentEvent
-
-from dflash_server.api.answers import ChatText, dflash_stats, dumps, job_events, run_to_end
-from dflash_server.api.errors import APIError
-from dflash_server.api.openai_responses import ResponsesRequest
+from dflash_server.api.answers import ChatText, Wire, dflash_stats
+from dflash_server.api.openai_responses import ResponsesRequest, ResponseStore, Stored
 from dflash_server.api.openai_responses_tools import ResponseTools
 from dflash_server.api.prepare import Prepared
 from dflash_server.chat.logprobs import TokenLogprob, chat_logprobs
 from dflash_server.chat.tool_calls import ToolCall
-from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
+from dflash_server.engine.jobs import Failed, Finished, TextChunk
 
 
 def _id(prefix: str) -> str:
@@ -44,12 +40,22 @@ def _tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 class ResponseShaper:
-    """Model text -> output items and the events that build them; one per response."""
+    """Job events -> output items, the events that build them, and the response; one per
+    response. Once whole, the response is put in ``store`` after ``conversation``."""
+
+    wire: ClassVar[Wire] = Wire(named=True)
 
     def __init__(
-        self, prepared: Prepared, tokenizer: Any, req: ResponsesRequest, tools: ResponseTools
+        self,
+        prepared: Prepared,
+        tokenizer: Any,
+        req: ResponsesRequest,
+        tools: ResponseTools,
+        store: ResponseStore,
+        conversation: list[dict[str, Any]],
     ) -> None:
         self.p, self.req, self.tools = prepared, req, tools
+        self.store, self.conversation = store, conversation
         self.chat = ChatText(prepared, tokenizer)
         self.id = _id("resp")
         self.created = int(time.time())
@@ -60,6 +66,7 @@ class ResponseShaper:
         # output_text logprobs (include: message.output_text.logprobs): those of the tokens
         # generated after the reasoning, not yet sent with their text.
         self.logprobs: list[TokenLogprob] | None = [] if req.logprobs or req.top_logprobs else None
+        self.final: dict[str, Any] | None = None  # the finished response
 
     # ----- the response object -------------------------------------------------------------
 
@@ -129,15 +136,34 @@ class ResponseShaper:
         self.seq += 1
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
-    def feed(self, ev: TextChunk) -> list[dict[str, Any]]:
-        if self.chat.splitter.in_reasoning:  # per event: the one holding </think> counts too
-            self.reasoning_tokens += ev.tokens
-        elif self.logprobs is not None:
-            self.logprobs += ev.logprobs or []
-        return self._pieces(*self.chat.feed(ev.text))
+    def start(self) -> list[dict[str, Any]]:
+        created = self.event("response.created", response=self.response("in_progress"))
+        return [created, self.event("response.in_progress", response=self.response("in_progress"))]
 
-    def finish(self, reason: str) -> list[dict[str, Any]]:
-        return self._pieces(*self.chat.finish(reason)) + self._close()
+    def feed(self, text: TextChunk) -> list[dict[str, Any]]:
+        if self.chat.splitter.in_reasoning:  # per event: the one holding </think> counts too
+            self.reasoning_tokens += text.tokens
+        elif self.logprobs is not None:
+            self.logprobs += text.logprobs or []
+        return self._pieces(*self.chat.feed(text.text))
+
+    def finish(self, done: Finished) -> list[dict[str, Any]]:
+        """The held-back text, the last item closed, then the response, kept before it is sent."""
+        events = self._pieces(*self.chat.finish(done.finish_reason)) + self._close()
+        status = "incomplete" if self.chat.outcome(done.finish_reason) == "length" else "completed"
+        self.final = self.response(status, done)
+        if self.req.store is not False:
+            answer = self.assistant_message()
+            self.store.put(self.id, Stored(self.final, [*self.conversation, answer]))
+        return [*events, self.event(f"response.{status}", response=self.final)]
+
+    def fail(self, failed: Failed) -> list[dict[str, Any]]:
+        error = {"code": "server_error", "message": failed.message}
+        return [self.event("response.failed", response=self.response("failed", error=error))]
+
+    def whole(self) -> dict[str, Any]:
+        assert self.final is not None, "the response has not ended"
+        return self.final
 
     def _pieces(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
         events = self._append("reasoning", reasoning) + self._append("message", content)
@@ -229,62 +255,3 @@ class ResponseShaper:
             self.event("response.content_part.done", part=dict(part), **at),
             self.event("response.output_item.done", output_index=at["output_index"], item=item),
         ]
-
-
-class ResponseRun:
-    """One Responses request against its job: its events, then ``final`` (the response)."""
-
-    def __init__(
-        self,
-        prepared: Prepared,
-        job: Job,
-        tokenizer: Any,
-        req: ResponsesRequest,
-        tools: ResponseTools,
-    ):
-        self.job = job
-        self.shaper = ResponseShaper(prepared, tokenizer, req, tools)
-        self.final: dict[str, Any] | None = None
-
-    async def events(
-        self,
-        interval: float = 0.0,
-        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        s = self.shaper
-        yield s.event("response.created", response=s.response("in_progress"))
-        yield s.event("response.in_progress", response=s.response("in_progress"))
-        events = job_events(self.job, interval=interval, is_disconnected=is_disconnected)
-        async with aclosing(events) as stream:
-            async for ev in stream:
-                if isinstance(ev, TextChunk):
-                    for event in s.feed(ev):
-                        yield event
-                elif isinstance(ev, Finished):
-                    for event in s.finish(ev.finish_reason):
-                        yield event
-                    reason = s.chat.outcome(ev.finish_reason)
-                    status = "incomplete" if reason == "length" else "completed"
-                    self.final = s.response(status, ev)
-                    yield s.event(f"response.{status}", response=self.final)
-                elif isinstance(ev, Failed):
-                    if is_disconnected is not None:
-                        raise APIError(ev.status, ev.message, code=ev.code)
-                    error = {"code": "server_error", "message": ev.message}
-                    yield s.event("response.failed", response=s.response("failed", error=error))
-
-
-async def stream_events(
-    run: ResponseRun, interval: float, on_final: Callable[[], None]
-) -> AsyncGenerator[ServerSentEvent, None]:
-    """A Responses stream as server-sent events (``event:`` names and JSON data);
-    ``on_final`` runs once the response is whole (before its last event goes out)."""
-    async for event in run.events(interval):
-        if event["type"] in ("response.completed", "response.incomplete"):
-            on_final()
-        yield ServerSentEvent(data=dumps(event), event=event["type"])
-
-
-async def collect(run: ResponseRun, is_disconnected: Callable[[], Awaitable[bool]]) -> bool:
-    """Run to the end (``run.final`` then holds the response); False if the client left."""
-    return await run_to_end(run.events(is_disconnected=is_disconnected))

@@ -1,5 +1,5 @@
-"""HTTP routes: parse, delegate to prepare (request -> generation), the engine (jobs) and the
-answer shapers (job events -> each protocol's answer). No logic lives here."""
+"""HTTP routes, each one shape: parse (FastAPI), prepare (request -> generation), submit (a
+job for the engine), answer (the job's events through the protocol's shaper, answers.py)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,16 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 
-from dflash_server.api import anthropic_events, openai_responses_events
+from dflash_server.api.answers import answer
 from dflash_server.api.anthropic import CountTokensRequest, MessagesRequest
 from dflash_server.api.anthropic import to_chat as anthropic_chat
+from dflash_server.api.anthropic_events import MessageShaper
 from dflash_server.api.deps import EngineDep, MetricsDep, ResponsesDep, SettingsDep
 from dflash_server.api.errors import APIError
-from dflash_server.api.openai_events import collect_response, stream_response
-from dflash_server.api.openai_responses import (
-    ResponsesRequest,
-    Stored,
-    conversation,
-    prepare_response,
-)
+from dflash_server.api.openai_events import ChatShaper, TextShaper
+from dflash_server.api.openai_responses import ResponsesRequest, conversation, prepare_response
+from dflash_server.api.openai_responses_events import ResponseShaper
 from dflash_server.api.openai_responses_tools import ignored_tools_header, response_tools
 from dflash_server.api.prepare import (
     Prepared,
@@ -59,40 +55,6 @@ def _tokenizer(engine: Engine) -> Any:
     return engine.models.pair.tokenizer if engine.models else None
 
 
-def _events(
-    settings: Settings, content: Any, headers: dict[str, str] | None = None, **kwargs: Any
-) -> EventSourceResponse:
-    return EventSourceResponse(
-        content,
-        ping=settings.keepalive,
-        sep="\n",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}),
-        **kwargs,
-    )
-
-
-def _json(body: dict[str, Any] | None) -> Response:
-    if body is None:  # client is gone; nobody reads this
-        return Response(status_code=499)
-    return JSONResponse(body)
-
-
-async def _respond(
-    request: Request,
-    settings: Settings,
-    engine: Engine,
-    metrics: MetricsDep,
-    prepared: Prepared,
-    endpoint: str,
-) -> Response:
-    job = _submit(engine, metrics, prepared, endpoint)
-    tokenizer = _tokenizer(engine)
-    if prepared.stream:
-        stream = stream_response(prepared, job, tokenizer, settings.stream_interval)
-        return _events(settings, stream)
-    return _json(await collect_response(prepared, job, tokenizer, request.is_disconnected))
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(
     body: ChatCompletionRequest,
@@ -102,7 +64,9 @@ async def chat_completions(
     metrics: MetricsDep,
 ) -> Response:
     prepared = await prepare_chat(body, settings, engine)
-    return await _respond(request, settings, engine, metrics, prepared, "chat")
+    job = _submit(engine, metrics, prepared, "chat")
+    shaper = ChatShaper(prepared, _tokenizer(engine))
+    return await answer(shaper, job, prepared.stream, request, settings)
 
 
 @router.post("/v1/completions")
@@ -114,7 +78,8 @@ async def completions(
     metrics: MetricsDep,
 ) -> Response:
     prepared = await prepare_completion(body, settings, engine)
-    return await _respond(request, settings, engine, metrics, prepared, "completions")
+    job = _submit(engine, metrics, prepared, "completions")
+    return await answer(TextShaper(prepared), job, prepared.stream, request, settings)
 
 
 @router.post("/v1/messages")
@@ -128,16 +93,8 @@ async def messages(
     """Anthropic Messages (see api/anthropic.py)."""
     prepared = await prepare_chat(anthropic_chat(body), settings, engine)
     job = _submit(engine, metrics, prepared, "messages")
-    tokenizer, omit = _tokenizer(engine), body.omit_thinking
-    if prepared.stream:
-        interval = settings.stream_interval
-        stream = anthropic_events.stream_messages(prepared, job, tokenizer, interval, omit)
-        return _events(settings, stream, ping_message_factory=anthropic_events.ping)
-    return _json(
-        await anthropic_events.collect_message(
-            prepared, job, tokenizer, request.is_disconnected, omit
-        )
-    )
+    shaper = MessageShaper(prepared, _tokenizer(engine), body.omit_thinking)
+    return await answer(shaper, job, prepared.stream, request, settings)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -162,21 +119,9 @@ async def responses(
     so_far = conversation(store, body, tools)
     prepared, so_far = await prepare_response(body, so_far, tools, settings, engine)
     job = _submit(engine, metrics, prepared, "responses")
-    run = openai_responses_events.ResponseRun(prepared, job, _tokenizer(engine), body, tools)
+    shaper = ResponseShaper(prepared, _tokenizer(engine), body, tools, store, so_far)
     headers = ignored_tools_header(tools)
-
-    def keep() -> None:
-        if body.store is not False and run.final is not None:
-            answer = run.shaper.assistant_message()
-            store.put(run.final["id"], Stored(run.final, [*so_far, answer]))
-
-    if prepared.stream:
-        events = openai_responses_events.stream_events(run, settings.stream_interval, keep)
-        return _events(settings, events, headers=headers)
-    if not await openai_responses_events.collect(run, request.is_disconnected):
-        return Response(status_code=499)
-    keep()
-    return JSONResponse(run.final, headers=headers)
+    return await answer(shaper, job, prepared.stream, request, settings, headers)
 
 
 @router.get("/v1/responses/{response_id}")

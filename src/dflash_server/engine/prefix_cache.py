@@ -51,6 +51,13 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
+    def add_disk(self, disk: PrefixDisk) -> None:
+        """Add the disk tier. Its files carry the loaded models' fingerprint, known only once the
+        worker has loaded them: the loader adds it then, before the first request."""
+        if self.disk is not None:
+            raise ValueError("the prefix cache has a disk tier already")
+        self.disk = disk
+
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())

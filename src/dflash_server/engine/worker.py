@@ -127,7 +127,7 @@ class Engine:
         self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
         self.rows: BatchDecoder | LoneRows = LoneRows()  # what each round steps
         self._by_row: dict[Row, _Run] = {}
-        self.on_pass = on_pass  # called after each batched pass: (rows, verified positions)
+        self.on_pass = on_pass  # each batched pass: (rows, verified positions)
         self._loader = loader
         self.prefix_cache = prefix_cache
         self._generate = generate

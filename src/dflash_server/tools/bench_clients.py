@@ -97,6 +97,7 @@ def run_clients(
     settings: Any,
 ) -> list[dict[str, Any]]:
     """Rows per (clients, mode): medians over ``args.repeats`` bursts, modes interleaved."""
+    rows_seen: list[int] = []
     engine = Engine(
         lambda: models,
         max_queue=max(levels),
@@ -104,9 +105,8 @@ def run_clients(
         prefill_step_size=settings.prefill_step_size,
         batching=settings.batching,
         max_verify=settings.max_verify,
+        on_pass=lambda rows, verified: rows_seen.append(rows),
     )
-    rows_seen: list[int] = []
-    engine.on_pass = lambda rows, verified: rows_seen.append(rows)
     engine.start()
     if not engine.wait_ready():
         raise RuntimeError(f"the engine did not start: {engine.error}")
