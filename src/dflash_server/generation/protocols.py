@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
+from dflash_server.models.context import DraftContext
 from dflash_server.models.draft_rows import DraftRow
 
 __all__ = [
@@ -45,28 +46,6 @@ class DraftConfig(Protocol):
     @property
     def target_layer_ids(self) -> tuple[int, ...]:  # the target layers it reads (its taps)
         ...
-
-
-class DraftContext(Protocol):
-    """One drafter layer's context cache: committed positions only, so it never rolls back.
-    Prefix snapshots save and restore it (``generation/prefix.py``)."""
-
-    @property
-    def offset(self) -> int:  # positions seen: the absolute position of the next one
-        ...
-
-    @property
-    def max_size(self) -> int | None:  # a window: its state is valid only where it was taken
-        ...
-
-    @property
-    def state(self) -> list[mx.array]: ...
-
-    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
-        """The live keys and values, and the offset they end at (None: empty)."""
-        ...
-
-    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None: ...
 
 
 class Drafter(Protocol):

@@ -15,8 +15,8 @@ cache until a batch takes it over. Its public surface follows a cycle's life:
 
 Two drivers run rows and own the target forward and the rollback: ``SpeculativeDecoder``
 (one row on its own cache) and ``BatchDecoder`` (every running row in one pass). Whatever a
-row decides, or computes from its own verify rows, lives here, once (docs/design.md, "The
-DFlash loop").
+row decides, or computes from its own verify rows, lives here, once
+(docs/design.md, "The DFlash loop").
 """
 
 from __future__ import annotations

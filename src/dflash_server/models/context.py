@@ -5,7 +5,31 @@ See docs/design.md, "The drafter's forward pass".
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import mlx.core as mx
+
+
+class DraftContext(Protocol):
+    """One drafter layer's context cache: committed positions only, so it never rolls back.
+    Prefix snapshots save and restore it (``generation/prefix.py``)."""
+
+    @property
+    def offset(self) -> int:  # positions seen: the absolute position of the next one
+        ...
+
+    @property
+    def max_size(self) -> int | None:  # a window: its state is valid only where it was taken
+        ...
+
+    @property
+    def state(self) -> list[mx.array]: ...
+
+    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
+        """The live keys and values, and the offset they end at (None: empty)."""
+        ...
+
+    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None: ...
 
 
 class ContextCache:
