@@ -394,3 +394,47 @@ def test_more_waiting_prompts_than_one_prefill_holds(target: tuple[Any, Any]) ->
         assert out[key] == tokens_of(make().generate(prompt, n)), key
     assert batch.prefilled_together == len(prompts)  # two at a time: 2 x 9 <= 20 < 3 x 9
     assert batch.waiting == []
+
+
+def test_one_token_prompts_prefill_together_with_a_prefix_cache(target: tuple[Any, Any]) -> None:
+    """A one-token prompt prefilled with other new prompts while the prefix cache is on: no
+    empty first segment (it failed every request of the group), each row as alone."""
+    from dflash_server.engine.prefix_cache import PrefixCache
+
+    model, tokenizer = target
+    inner = random_drafter(model)
+    prompts = [[5], list(tokenizer.encode(PROMPTS[0])), [7]]
+
+    def make(prefix: Any) -> Any:
+        return lambda: make_decoder(model, inner, 4, prefix=prefix)
+
+    cache = PrefixCache(1 << 30)
+    specs = {i: (make(cache), p, 12) for i, p in enumerate(prompts)}
+    out, batch = run_batched(model, specs)
+    for i, p in enumerate(prompts):
+        assert out[i] == tokens_of(make(None)().generate(p, 12)), i
+    assert batch.prefilled_together == len(prompts)
+
+
+def test_seeded_rows_keep_their_widths_under_max_verify(tiny_hybrid: tuple[Any, Any]) -> None:
+    """With the verify cap set, a seeded sampled row's answer does not depend on the rows
+    beside it (its block is not narrowed); the other rows are, and stay exact."""
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model)
+    ids = [list(tokenizer.encode(p)) for p in PROMPTS]
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+
+    def seeded() -> Any:
+        return make_decoder(model, inner, 8, sampling=params, seed=11)
+
+    alone = tokens_of(seeded().generate(ids[0], 24))
+    for neighbours in (1, 3):
+        batch = new_batch(model, max_verify=8)
+        rows = {"seeded": (seeded().row, ids[0], 24)}
+        for k in range(neighbours):
+            rows[k] = (make_decoder(model, inner, 8).row, ids[1 + k % 2], 24)
+        out = step_rows(batch, rows)
+        assert tokens_of(out["seeded"]) == alone, neighbours
+        for k in range(neighbours):
+            assert tokens_of(out[k]) == tokens_of(make_decoder(model, inner, 8).generate(
+                ids[1 + k % 2], 24)), k  # fmt: skip

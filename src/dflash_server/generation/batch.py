@@ -210,15 +210,19 @@ class BatchDecoder:
 
     def _choices(self, rows: list[Row]) -> list[Choice]:
         """Each row's next cycle (its policy: drafter block, suffix copy or plain), narrowed by
-        the verify budget and the ``max_verify`` cap."""
+        the verify budget and the ``max_verify`` cap. A pinned row (seeded sampling) keeps its
+        width, so its answer never depends on the rows beside it."""
         choices = [row.choose() for row in rows]
         widths = [c.size for c in choices]
         if self.costs is not None and len(rows) > 1:  # the verify budget (batch_budget.py)
             widths = choose_widths(rows, choices, self.costs)
         if self.max_verify is not None:
-            while max(widths) > 1 and len(rows) * max(widths) > self.max_verify:
-                top = max(widths)
-                widths = [w - 1 if w == top else w for w in widths]
+            free = [not row.pinned for row in rows]
+            while len(rows) * max(widths) > self.max_verify:
+                top = max((w for w, f in zip(widths, free) if f), default=1)
+                if top <= 1:
+                    break
+                widths = [w - 1 if w == top and f else w for w, f in zip(widths, free)]
         return [c.narrow(w) for c, w in zip(choices, widths)]
 
     def _verify(self, rows: list[Row]) -> dict[Row, Commit]:

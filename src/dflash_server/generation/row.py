@@ -109,6 +109,12 @@ class Row:
         """Tokens it may still produce."""
         return self.max_tokens - self.produced
 
+    @property
+    def pinned(self) -> bool:
+        """Whether its widths are part of its answer (a seeded sampled row: its random draws
+        follow the widths), so a batch must not narrow them."""
+        return self.sampler.reproducible
+
     # -- the prompt ---------------------------------------------------------------------------
 
     def prefix_hit(self) -> tuple[PromptSnapshot, int] | None:
@@ -176,7 +182,7 @@ class Row:
         if self.prefix is None:
             return set()
         n = len(self.prompt)
-        return {p for p in self.checkpoints if 0 < p < n} | {n - 1}
+        return {p for p in self.checkpoints | {n - 1} if 0 < p < n}
 
     def draft_state(self) -> list[Any]:
         """The drafter context's arrays (to evaluate with the target's)."""

@@ -116,6 +116,7 @@ class TokenSampler:
         self.custom = sampler
         if sampler is not None and seed is not None:
             mx.random.seed(seed)
+        self.seeded = seed is not None
         n = params.penalty_context_size
         self.processors = make_logits_processors(
             params.logit_bias,
@@ -133,6 +134,12 @@ class TokenSampler:
     def _next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)
         return sub
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether its draws must come out the same on every run: a seeded sampler (its
+        random draws then depend on how many positions each cycle verifies)."""
+        return self.seeded and not self.deterministic
 
     @property
     def deterministic(self) -> bool:
