@@ -233,14 +233,18 @@ class Engine:
                 self.prefix_cache.close()
 
     def _make_batch(self) -> None:
-        """The batch of this pair; with the cycle costs measured at load, its pass costs too."""
-        from dflash_server.generation.batch_budget import measure_pass_costs
+        """The batch of this pair; with the cycle costs measured at load, its pass costs too
+        (from the calibration cache when this pair was measured on this machine before)."""
+        from functools import partial
+
+        from dflash_server.generation.batch_budget import PassCosts, measure_pass_costs
 
         assert self.models is not None
         pair = self.models.pair
         self.batch = BatchDecoder(pair.target, self.max_verify)
         if pair.draft is not None and pair.measured is not None:
-            self.batch.costs = measure_pass_costs(pair.target, pair.draft)
+            measure = partial(measure_pass_costs, pair.target, pair.draft)
+            self.batch.costs = self.models.calibration.fetch("batch", PassCosts, measure)
             log.info("%s", self.batch.costs.describe())
 
     def _round(self) -> bool:
