@@ -53,6 +53,14 @@ def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory)
     return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
 
 
+@pytest.fixture(scope="session")
+def draft4_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same with block size 4 (one per session)."""
+    from server_fixtures import build_draft
+
+    return build_draft(tmp_path_factory.mktemp("draft") / "d4", tiny_hybrid_path, block_size=4)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def calibration_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One calibration cache for the whole session (servers started in-process and as

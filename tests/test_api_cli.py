@@ -117,13 +117,12 @@ def test_main_reports_errors_without_traceback(
 
 
 def test_dflash_serve_process_starts_logs_and_serves(
-    tiny_hybrid_path: Path, tmp_path: Path
+    tiny_hybrid_path: Path, draft_path: Path
 ) -> None:
     """The real command: startup log lines, /health, a chat request, clean Ctrl-C."""
-    draft = build_draft(tmp_path / "draft", tiny_hybrid_path)
     port = free_port()
     cmd = [sys.executable, "-m", "dflash_server.cli", "--target", str(tiny_hybrid_path)]
-    cmd += ["--draft", str(draft), "--port", str(port), "--served-model-name", "tiny"]
+    cmd += ["--draft", str(draft_path), "--port", str(port), "--served-model-name", "tiny"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
