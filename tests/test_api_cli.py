@@ -116,6 +116,7 @@ def test_main_reports_errors_without_traceback(
     assert "nobody-xyz/model" in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_dflash_serve_process_starts_logs_and_serves(
     tiny_hybrid_path: Path, draft_path: Path
 ) -> None:

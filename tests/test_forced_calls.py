@@ -70,6 +70,7 @@ def _chat_fault(r: Any) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_required_call_on_chat_for_every_seed(oai: openai.OpenAI) -> None:
     def chat(seed: int) -> str | None:
         r = oai.chat.completions.create(
@@ -87,6 +88,7 @@ def test_required_call_on_chat_for_every_seed(oai: openai.OpenAI) -> None:
     assert faults == {}, f"{len(faults)} of {len(SEEDS)} seeds bad: {faults}"
 
 
+@pytest.mark.slow
 def test_required_call_on_responses_for_every_seed(oai: openai.OpenAI) -> None:
     def responses(seed: int) -> str | None:
         r = oai.responses.create(
@@ -117,6 +119,7 @@ def test_required_call_on_responses_for_every_seed(oai: openai.OpenAI) -> None:
     assert faults == {}, f"{len(faults)} of {len(SEEDS)} seeds bad: {faults}"
 
 
+@pytest.mark.slow
 def test_any_tool_on_messages_for_every_seed(claude: anthropic.Anthropic) -> None:
     def messages(seed: int) -> str | None:
         r = claude.messages.create(
@@ -142,6 +145,7 @@ def test_any_tool_on_messages_for_every_seed(claude: anthropic.Anthropic) -> Non
     assert faults == {}, f"{len(faults)} of {len(SEEDS)} seeds bad: {faults}"
 
 
+@pytest.mark.slow
 def test_named_call_sampled_with_low_effort(
     oai: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:
@@ -180,6 +184,7 @@ def test_named_call_sampled_with_low_effort(
     assert faults == {}, f"{len(faults)} of {2 * len(SEEDS)} answers bad: {faults}"
 
 
+@pytest.mark.slow
 def test_schema_with_thinking_is_always_reached(oai: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}

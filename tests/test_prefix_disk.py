@@ -185,6 +185,7 @@ def test_an_entry_of_other_models_is_not_used_and_kept(models, tmp_path: Path, c
     assert cached == len(prompt.tokens) - 1
 
 
+@pytest.mark.slow
 def test_a_zeroed_file_over_http_answers_as_cold(
     tiny_hybrid_path: Path, draft4_path: Path, tmp_path: Path
 ) -> None:

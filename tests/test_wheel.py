@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # builds a wheel and a venv, runs the CLI four times
 
 
 @pytest.fixture(scope="module")
