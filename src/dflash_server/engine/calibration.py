@@ -24,12 +24,15 @@ from collections.abc import Callable
 from dataclasses import asdict, fields
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 log = logging.getLogger("dflash_server")
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 FORMAT = 1  # bump when the files' layout changes
 # The modules whose code decides what a measurement yields: editing one re-measures.
@@ -124,17 +127,19 @@ class CalibrationCache:
                 data = json.loads(path.read_text())
                 if data.get("key") != key:  # another pair's or machine's file under this name
                     raise ValueError("its key does not match")
-                value = decode(cls, data["value"])
+                value = _decode(cls, data["value"])
             except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
                 log.warning("ignoring calibration file %s (%s): measuring again", path, exc)
             else:
                 log.info(
                     "%s costs from the calibration cache %s (to measure again: delete it, or "
-                    "--calibration-cache off)", kind, path,
-                )  # fmt: skip
+                    "--calibration-cache off)",
+                    kind,
+                    path,
+                )
                 return value
         value = measure()
-        self._write(path, {"key": key, "value": asdict(value)})  # type: ignore[call-overload]
+        self._write(path, {"key": key, "value": asdict(value)})
         return value
 
     def _write(self, path: Path, data: dict[str, Any]) -> None:
@@ -158,10 +163,10 @@ class CalibrationCache:
             log.info("calibration saved to %s", path)
 
 
-def decode(cls: type[T], data: Any) -> T:
+def _decode(cls: type[T], data: Any) -> T:
     """A dataclass of numbers, flags and width -> seconds maps from its ``asdict`` form as read
     back from JSON (whose keys are strings); ValueError when it is not one."""
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for f in fields(cls)}
     if not isinstance(data, dict) or not set(data) <= names:
         raise ValueError(f"not a {cls.__name__}")
     return cls(**{name: _value(v) for name, v in data.items()})
