@@ -7,6 +7,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # before any hub-aware import: tests never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,29 @@ def tiny_attn(tiny_attn_path: Path) -> tuple[Any, Any]:
     return mlx_lm.load(str(tiny_attn_path))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small drafter folder for the tiny hybrid target (one per test module)."""
+    """A small drafter folder for the tiny hybrid target (one per session: one fingerprint, so
+    the calibration cache measures this pair once)."""
     from server_fixtures import build_draft
 
     return build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+
+
+@pytest.fixture(scope="session")
+def draft4_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same with block size 4 (one per session)."""
+    from server_fixtures import build_draft
+
+    return build_draft(tmp_path_factory.mktemp("draft") / "d4", tiny_hybrid_path, block_size=4)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One calibration cache for the whole session (servers started in-process and as
+    subprocesses read it from the environment): each pair is measured once, and the user's own
+    cache is never touched."""
+    folder = tmp_path_factory.mktemp("calibration")
+    os.environ["DFLASH_CALIBRATION_CACHE"] = str(folder)
+    yield folder
+    del os.environ["DFLASH_CALIBRATION_CACHE"]

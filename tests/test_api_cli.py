@@ -116,15 +116,16 @@ def test_main_reports_errors_without_traceback(
     assert "nobody-xyz/model" in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_dflash_serve_process_starts_logs_and_serves(
-    tiny_hybrid_path: Path, tmp_path: Path
+    tiny_hybrid_path: Path, draft_path: Path, calibration_cache: Path
 ) -> None:
     """The real command: startup log lines, /health, a chat request, clean Ctrl-C."""
-    draft = build_draft(tmp_path / "draft", tiny_hybrid_path)
     port = free_port()
     cmd = [sys.executable, "-m", "dflash_server.cli", "--target", str(tiny_hybrid_path)]
-    cmd += ["--draft", str(draft), "--port", str(port), "--served-model-name", "tiny"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd += ["--draft", str(draft_path), "--port", str(port), "--served-model-name", "tiny"]
+    # The session's calibration (the autouse fixture above cleared the DFLASH_* variables).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DFLASH_CALIBRATION_CACHE": str(calibration_cache)}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
@@ -142,6 +143,7 @@ def test_dflash_serve_process_starts_logs_and_serves(
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "block size 8" in err and "weights" in err and "ready: serving 'tiny'" in err
+    assert "costs from the calibration cache" in err or "calibration saved to" in err
 
 
 def test_drafter_that_does_not_fit_stops_the_server(

@@ -15,7 +15,7 @@ from dflash_server import stream_generate
 from dflash_server.chat.logprobs import TokenTexts
 from dflash_server.chat.structured import GrammarConstraint, response_format_grammar
 from dflash_server.generation.text import encode
-from server_fixtures import RunningServer, build_draft, make_app, run_server
+from server_fixtures import RunningServer, make_app, run_server
 
 PROMPT = "def fibonacci(n):"
 MESSAGES = [{"role": "user", "content": "Count to five."}]
@@ -23,11 +23,12 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def server(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+def server(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[Any]:
     # A fixed block: "auto" picks widths from timings, and other verify widths change logprobs
     # in the 7th digit, while these tests compare streamed and whole answers exactly.
-    app = make_app(tiny_hybrid_path, draft, served_model_name="tiny", temperature=0.0, block_size=8)
+    app = make_app(
+        tiny_hybrid_path, draft_path, served_model_name="tiny", temperature=0.0, block_size=8
+    )
     with run_server(app) as srv:
         yield srv
 

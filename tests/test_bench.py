@@ -8,13 +8,11 @@ from pathlib import Path
 import pytest
 
 from dflash_server.cli import main
-from server_fixtures import build_draft
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    draft = build_draft(tmp_path_factory.mktemp("bench") / "draft", tiny_hybrid_path, block_size=8)
-    return ["--target", str(tiny_hybrid_path), "--draft", str(draft)]
+def pair(tiny_hybrid_path: Path, draft_path: Path) -> list[str]:
+    return ["--target", str(tiny_hybrid_path), "--draft", str(draft_path)]
 
 
 def test_bench_json(pair: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -399,6 +399,7 @@ def test_greedy_is_lossless(tiny_hybrid, block_size):
         assert out[-1].stats.tau > 2
 
 
+@pytest.mark.slow
 def test_sampled_decoding_follows_the_target(tiny_hybrid):
     """Joint law of the first 3 tokens vs exact; the selector's q decides accept/resample."""
     model, tokenizer = tiny_hybrid

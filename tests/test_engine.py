@@ -20,7 +20,7 @@ from dflash_server.engine.worker import (
     QueueFull,
     TextChunk,
 )
-from server_fixtures import ScriptedGenerate, build_draft, drain, make_job, start_engine
+from server_fixtures import ScriptedGenerate, drain, make_job, start_engine
 
 # ----- reasoning split ---------------------------------------------------------------------
 
@@ -85,9 +85,13 @@ def test_render_completion(tiny_hybrid: tuple[Any, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModels:
-    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
-    return load_models(str(tiny_hybrid_path), str(draft), context_length=256)
+def models(tiny_hybrid_path: Path, draft_path: Path, calibration_cache: Path) -> LoadedModels:
+    return load_models(
+        str(tiny_hybrid_path),
+        str(draft_path),
+        context_length=256,
+        calibration_cache=calibration_cache,
+    )
 
 
 def test_load_models_summary(models: LoadedModels) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import RunningServer, build_draft, make_app, run_server
+from server_fixtures import RunningServer, make_app, run_server
 
 LIMIT = 64 * 1024  # --max-request-bytes for this server
 N_REQUESTS = 1100
@@ -24,10 +24,13 @@ OK_MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+def server(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[Any]:
     app = make_app(
-        tiny_hybrid_path, draft, max_request_bytes=LIMIT, context_length=256, enable_thinking=False
+        tiny_hybrid_path,
+        draft_path,
+        max_request_bytes=LIMIT,
+        context_length=256,
+        enable_thinking=False,
     )
     with run_server(app) as srv:
         yield srv

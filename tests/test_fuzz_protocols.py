@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import RunningServer, ScriptedGenerate, build_draft, make_app, run_server
+from server_fixtures import RunningServer, ScriptedGenerate, make_app, run_server
 
 N_BODIES = 1100
 SCHEMA = {
@@ -226,10 +226,9 @@ def _openai_shaped(r: httpx.Response) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+def server(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[Any]:
     script = ScriptedGenerate(["</think>\n\n", '{"city": "Oslo"}'])
-    app = make_app(tiny_hybrid_path, draft, generate=script, served_model_name="tiny")
+    app = make_app(tiny_hybrid_path, draft_path, generate=script, served_model_name="tiny")
     with run_server(app) as srv:
         yield srv
 

@@ -13,19 +13,18 @@ from typing import Any
 
 import pytest
 
-from server_fixtures import RunningServer, build_draft, make_app, run_server
+from server_fixtures import RunningServer, make_app, run_server
 
 sys.path.insert(0, str(Path(__file__).parent / "load"))
 from loadgen import memory_run, memory_summary, run_load
 
 
 @pytest.fixture(scope="module")
-def server(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+def server(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[Any]:
     # No prefix cache: it holds memory on purpose, and this checks per-request buffers.
     app = make_app(
         tiny_hybrid_path,
-        draft,
+        draft_path,
         max_active=3,
         max_queue=16,
         context_length=512,

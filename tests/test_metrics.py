@@ -9,7 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server_fixtures import ScriptedGenerate, make_app, run_server
 
-CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10}
+# A fixed block: "auto" drafts or not by the costs measured at load (timings), and the drafter
+# metrics below must have cycles to count.
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "block_size": 8}
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -28,7 +30,7 @@ def test_metrics_after_real_requests(tiny_hybrid_path: Path, draft_path: Path) -
         assert httpx.get(f"{url}/metrics").status_code == 401  # behind the key by default
         for body in (CHAT, {**CHAT, "stream": True}):
             assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=key).is_success
-        msg = {"model": "tiny", "max_tokens": 4, "messages": CHAT["messages"]}
+        msg = {"model": "tiny", "max_tokens": 4, "messages": CHAT["messages"], "block_size": 8}
         assert httpx.post(f"{url}/v1/messages", json=msg, headers={"x-api-key": "k"}).is_success
         httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, headers=key)
         r = httpx.get(f"{url}/metrics", headers=key)

@@ -23,7 +23,7 @@ from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.sampling import SamplingParams
 from dflash_server.generation.stream import generate
 from dflash_server.testing import random_drafter
-from server_fixtures import build_draft, drain, make_app, run_server
+from server_fixtures import drain, make_app, run_server
 
 BIG = 1 << 30
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 8}
@@ -144,11 +144,12 @@ def test_restoring_never_changes_the_entry(tiny_hybrid) -> None:
 
 
 def test_interleaved_requests_sharing_an_entry(
-    tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_hybrid_path: Path, draft4_path: Path, calibration_cache: Path
 ) -> None:
     """Engine with two active requests restored from the same entry, cycle by cycle."""
-    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path, block_size=4)
-    models = load_models(str(tiny_hybrid_path), str(draft))
+    models = load_models(
+        str(tiny_hybrid_path), str(draft4_path), calibration_cache=calibration_cache
+    )
     first = render_chat(models.pair.tokenizer, TURN1, enable_thinking=True)
     second = render_chat(models.pair.tokenizer, TURN2, enable_thinking=True)
     cache = PrefixCache(BIG)
@@ -259,11 +260,12 @@ def test_disk_tier_budget(tiny_hybrid, tmp_path: Path) -> None:
     assert len(sizes) >= 1 and sum(sizes) <= one * 1.8
 
 
-def test_multi_turn_over_http_reports_cached_tokens(tiny_hybrid_path: Path, tmp_path: Path) -> None:
+def test_multi_turn_over_http_reports_cached_tokens(
+    tiny_hybrid_path: Path, draft4_path: Path
+) -> None:
     """A conversation through the API: turn k reuses turn k-1's prompt up to its generation
     prompt, although the answer the client sends back differs from what was generated."""
-    draft = build_draft(tmp_path / "d", tiny_hybrid_path, block_size=4)
-    app = make_app(tiny_hybrid_path, draft, temperature=0.0, max_tokens=8)
+    app = make_app(tiny_hybrid_path, draft4_path, temperature=0.0, max_tokens=8)
     messages: list[dict[str, Any]] = [SYSTEM]
     with run_server(app) as srv:
         cached = []
@@ -293,7 +295,6 @@ def test_multi_turn_over_http_reports_cached_tokens(tiny_hybrid_path: Path, tmp_
     assert health["prefix_cache"]["hits"] == 2 and health["prefix_cache"]["entries"] >= 1
 
 
-def test_no_prefix_cache_setting(tiny_hybrid_path: Path, tmp_path: Path) -> None:
-    draft = build_draft(tmp_path / "d", tiny_hybrid_path)
-    app = make_app(tiny_hybrid_path, draft, prefix_cache=False)
+def test_no_prefix_cache_setting(tiny_hybrid_path: Path, draft_path: Path) -> None:
+    app = make_app(tiny_hybrid_path, draft_path, prefix_cache=False)
     assert app.state.engine.prefix_cache is None

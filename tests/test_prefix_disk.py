@@ -21,7 +21,7 @@ from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from dflash_server.testing import random_drafter
-from server_fixtures import build_draft, make_app, run_server
+from server_fixtures import make_app, run_server
 
 BIG = 1 << 30
 CHAT = [
@@ -185,16 +185,18 @@ def test_an_entry_of_other_models_is_not_used_and_kept(models, tmp_path: Path, c
     assert cached == len(prompt.tokens) - 1
 
 
-def test_a_zeroed_file_over_http_answers_as_cold(tiny_hybrid_path: Path, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_a_zeroed_file_over_http_answers_as_cold(
+    tiny_hybrid_path: Path, draft4_path: Path, tmp_path: Path
+) -> None:
     """The reported case: long system prompt, server restarted on a zeroed disk entry."""
-    draft = build_draft(tmp_path / "d", tiny_hybrid_path, block_size=4)
     folder = tmp_path / "cache"
     system = {"role": "system", "content": "Answer in one short sentence. " * 200}
     body = {"messages": [system, CHAT[1]], "temperature": 0, "max_tokens": 8, "logprobs": True}
 
     def ask() -> tuple[list[str], int]:
         """The answer's tokens (as the API spells them) and its cached_tokens."""
-        app = make_app(tiny_hybrid_path, draft, prefix_cache_dir=str(folder))
+        app = make_app(tiny_hybrid_path, draft4_path, prefix_cache_dir=str(folder))
         with run_server(app) as srv:
             r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=body, timeout=120).json()
         tokens = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]

@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 import mlx.core as mx
+import pytest
 
 from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.row import Row
@@ -67,6 +68,7 @@ def test_acceptance_rule_reproduces_target_distribution():
     assert total_variation(counts, want, n) < tv_tolerance(4, n)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_matches_target_distribution(tiny_hybrid):
     """Joint law of the first 3 tokens (t0 from prefill, t1..t2 from speculation) vs exact.
 

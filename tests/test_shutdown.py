@@ -44,6 +44,7 @@ def _stream(base: str, body: dict[str, Any], out: list[Any], started: threading.
                     started.set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_ends_every_stream_with_a_final_event(
     sig: signal.Signals, tiny_hybrid_path: Path, draft_path: Path

@@ -82,6 +82,7 @@ def test_target_labels_are_greedy_predictions(tiny_attn):
     assert taps.shape == (1, 8, 64)
 
 
+@pytest.mark.slow
 def test_training_raises_tau_and_checkpoint_is_lossless(trained_target, tmp_path):
     target, data = trained_target
     out = tmp_path / "draft"

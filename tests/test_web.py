@@ -21,7 +21,6 @@ import pytest
 from server_fixtures import (
     RunningServer,
     ScriptedGenerate,
-    build_draft,
     make_app,
     real_generate,
     run_server,
@@ -90,13 +89,10 @@ def generate() -> Generate:
 
 
 @pytest.fixture(scope="module")
-def server(
-    tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory, generate: Generate
-) -> Iterator[RunningServer]:
-    draft = build_draft(tmp_path_factory.mktemp("draft") / "d", tiny_hybrid_path)
+def server(tiny_hybrid_path: Path, draft_path: Path, generate: Generate) -> Iterator[RunningServer]:
     app = make_app(
         tiny_hybrid_path,
-        draft,
+        draft_path,
         generate=generate,
         served_model_name="tiny",
         api_key=KEY,

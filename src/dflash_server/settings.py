@@ -211,6 +211,12 @@ class Settings(BaseSettings, _SamplingDefaults):
     prefix_cache_disk_bytes: int = Field(
         16 * 1024**3, gt=0, description="disk space the prefix cache's disk tier may use"
     )
+    calibration_cache: str | None = Field(
+        None,
+        description="folder keeping the costs measured at load per model pair and machine, so a "
+        "restart skips measuring (default: ~/.cache/dflash-server/calibration, or under "
+        "$XDG_CACHE_HOME; 'off': measure at every start)",
+    )
 
     # Generation defaults, used when a request leaves the field out
     block_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
@@ -301,6 +307,17 @@ class Settings(BaseSettings, _SamplingDefaults):
     def suffix_tokens(self) -> int:
         """The widest suffix copy a request may verify (0: none)."""
         return self.suffix_max_tokens if self.suffix_drafts else 0
+
+    @property
+    def calibration_folder(self) -> Path | None:
+        """Where the costs measured at load are kept (None: off)."""
+        from dflash_server.engine.calibration import default_folder
+
+        if self.calibration_cache == "off":
+            return None
+        if self.calibration_cache is None:
+            return default_folder()
+        return Path(self.calibration_cache).expanduser()
 
     @property
     def prefix_cache_budget(self) -> int:

@@ -53,6 +53,7 @@ def build_engine(
             draft_window=settings.draft_window,
             suffix_tokens=settings.suffix_tokens,
             suffix_cache_bytes=settings.suffix_cache_bytes,
+            calibration_cache=settings.calibration_folder,
         )
         for line in describe(models.summary).splitlines():
             log.info("%s", line)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from dflash_server.engine.calibration import CalibrationCache
+from dflash_server.generation.costs import CostModel
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.models.hooks import HookError
@@ -102,10 +105,12 @@ class ModelSummary:
 
 @dataclass
 class LoadedModels:
-    """What the worker keeps resident: the model pair and what was loaded."""
+    """What the worker keeps resident: the model pair, what was loaded, and where its measured
+    costs are kept (by default nowhere: measured at every load)."""
 
     pair: ModelPair
     summary: ModelSummary
+    calibration: CalibrationCache = field(default_factory=lambda: CalibrationCache(None, ""))
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -152,6 +157,7 @@ def load_models(
     measure: bool = True,
     suffix_tokens: int = 0,
     suffix_cache_bytes: int | None = None,
+    calibration_cache: str | Path | None = None,
 ) -> LoadedModels:
     """Load target (+ drafter, bound to it). Runs on the engine's worker thread: it is MLX work.
 
@@ -161,7 +167,9 @@ def load_models(
     ``DEFAULT_WINDOW``; 0: the whole context). ``measure``: time the cycle costs that
     ``block_size: "auto"`` decides by (a second or two), now rather than at the first request;
     ``suffix_tokens``: suffix copies of up to so many tokens will run (their verify widths are
-    measured too, with no drafter as well); ``suffix_cache_bytes``: their shared index's budget.
+    measured too, with no drafter as well); ``suffix_cache_bytes``: their shared index's budget;
+    ``calibration_cache``: the folder where measured costs are kept for the next load (None:
+    measure every time).
     """
     target_label, draft_label = target_label or target, draft_label or draft
     target_path = resolve_model(target, "target", TARGET_PATTERNS)
@@ -204,14 +212,16 @@ def load_models(
         summary.block_size = int(drafter.config.block_size)
         summary.target_layer_ids = list(drafter.config.target_layer_ids)
         summary.draft_window = drafter.set_window(draft_window)
-        if measure:
-            summary.cycle_costs = pair.costs(suffix_tokens + 1 if suffix_tokens else 0).describe()
-    elif measure and suffix_tokens:
-        summary.cycle_costs = pair.costs(suffix_tokens + 1).describe()
+    calibration = CalibrationCache(calibration_cache, summary.fingerprint)
+    if measure and (drafter is not None or suffix_tokens):  # without either, nothing to choose
+        widest = suffix_tokens + 1 if suffix_tokens else 0
+        measured = calibration.fetch("cycle", CostModel, partial(pair.costs, widest), widest=widest)
+        pair.measured = measured  # a cached one skips measuring
+        summary.cycle_costs = measured.describe()
     if suffix_cache_bytes is not None:
         pair.suffix_index = SharedSuffixIndex(suffix_cache_bytes)
     summary.active_memory_gb = round(mx.get_active_memory() / 1e9, 4)
-    return LoadedModels(pair, summary)
+    return LoadedModels(pair, summary, calibration)
 
 
 def _fingerprint(target: Path, draft: Path | None) -> str:

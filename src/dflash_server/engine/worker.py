@@ -249,14 +249,18 @@ class Engine:
                 self.prefix_cache.close()
 
     def _make_batch(self) -> None:
-        """The batch of this pair; with the cycle costs measured at load, its pass costs too."""
-        from dflash_server.generation.batch_budget import measure_pass_costs
+        """The batch of this pair; with the cycle costs measured at load, its pass costs too
+        (from the calibration cache when this pair was measured on this machine before)."""
+        from functools import partial
+
+        from dflash_server.generation.batch_budget import PassCosts, measure_pass_costs
 
         assert self.models is not None
         pair = self.models.pair
         costs = None
         if pair.draft is not None and pair.measured is not None:
-            costs = measure_pass_costs(pair.target, pair.draft)
+            measure = partial(measure_pass_costs, pair.target, pair.draft)
+            costs = self.models.calibration.fetch("batch", PassCosts, measure)
             log.info("%s", costs.describe())
         self.batch = self.rows = BatchDecoder(pair.target, self.max_verify, costs)
 

@@ -251,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         draft = resolve_model(str(settings.draft), "draft", DRAFT_PATTERNS)
         window = args.draft_window if args.draft_window is not None else settings.draft_window
         models = load_models(str(target), str(draft), draft_window=window,
-                             target_label=settings.target, draft_label=settings.draft)  # fmt: skip
+                             target_label=settings.target, draft_label=settings.draft,
+                             calibration_cache=settings.calibration_folder)  # fmt: skip
     except (SettingsError, ModelLoadError, ValueError) as exc:
         print(f"dflash-serve bench: error: {exc}", file=sys.stderr)
         return 2
