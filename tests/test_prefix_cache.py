@@ -222,6 +222,27 @@ def test_a_longer_entry_covers_the_older_ones_checkpoints(tiny_hybrid) -> None:
     assert not set(older.checkpoints) & set(p for p in newer.checkpoints if p < len(older.tokens))
 
 
+def test_a_hit_stays_restorable_after_a_longer_entry_lands(tiny_hybrid) -> None:
+    """A request looks its prefix up, another stores a longer entry covering that checkpoint
+    before the first restores (batched rows prefill in later steps): the first still restores
+    the checkpoint it was promised, and decodes as a cold run."""
+    model, tokenizer = tiny_hybrid
+    cache = PrefixCache(BIG)
+    first = render_chat(tokenizer, TURN1, enable_thinking=True)
+    second = render_chat(tokenizer, TURN2, enable_thinking=True)
+    run(model, None, tokenizer, first, cache)
+    hit = cache.lookup((), second.tokens)
+    assert hit is not None
+    snapshot, length = hit
+    run(model, None, tokenizer, second, cache)  # covers the first entry's checkpoints
+    assert length in snapshot.checkpoints
+    fresh = model.make_cache() if hasattr(model, "make_cache") else None
+    snapshot.restore(length, fresh, None)
+    cold, _ = run(model, None, tokenizer, second, None)
+    warm, out = run(model, None, tokenizer, second, cache)
+    assert warm == cold and out[-1].stats.cached_tokens > 0
+
+
 @pytest.mark.parametrize("window", [None, 16], ids=["full drafter", "sliding drafter"])
 def test_disk_tier_round_trip_and_bad_files(tiny_hybrid, tmp_path: Path, caplog, window) -> None:
     model, tokenizer = tiny_hybrid

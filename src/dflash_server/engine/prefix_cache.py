@@ -14,6 +14,7 @@ entries across restarts (``PrefixDisk``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -151,8 +152,12 @@ class PrefixCache:
         shared = common_prefix(old.tokens, tokens)
         if not old.snapshot.recurrent:  # KV only: the longer entry restores all of it
             return shared == len(old.tokens)
-        checkpoints = old.snapshot.checkpoints
-        for p in [p for p in checkpoints if p <= shared and p in new.checkpoints]:
-            del checkpoints[p]
+        kept = {
+            p: c
+            for p, c in old.snapshot.checkpoints.items()
+            if not (p <= shared and p in new.checkpoints)
+        }
+        # A new snapshot, never the old one changed: a request may be restoring from it.
+        old.snapshot = dataclasses.replace(old.snapshot, checkpoints=kept)
         old.nbytes = old.snapshot.nbytes
-        return not checkpoints
+        return not kept
