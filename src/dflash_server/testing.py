@@ -459,8 +459,8 @@ class ReplayDrafter:
     def set_window(self, window: int | None) -> int | None:
         return self.inner.set_window(window)
 
-    def append_context(self, target_hidden: Any, cache: list[Any]) -> None:
-        self.inner.append_context(target_hidden, cache)
+    def append_context(self, target_hidden: Any, cache: list[Any], tokens: Any = None) -> None:
+        self.inner.append_context(target_hidden, cache, tokens)
 
     def propose(
         self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any
