@@ -192,13 +192,16 @@ def slow(generate: Any, delay: float) -> Any:
     return wrapped
 
 
-def make_app(target: Path, draft: Path, *, generate: Any = None, **settings: Any) -> Any:
-    """An app serving the tiny fixture models; ``generate`` swaps stream_generate for a test double."""
+def make_app(
+    target: Path, draft: Path | str | None, *, generate: Any = None, **settings: Any
+) -> Any:
+    """An app serving the tiny fixture models (``draft``: a folder, "mtp" or None);
+    ``generate`` swaps the engine's generation for a test double."""
     from dflash_server.api.app import build_engine, create_app
     from dflash_server.api.metrics import Metrics
     from dflash_server.settings import Settings
 
-    s = Settings.load(target=str(target), draft=str(draft), **settings)
+    s = Settings.load(target=str(target), draft=None if draft is None else str(draft), **settings)
     metrics = Metrics() if s.metrics else None
     return create_app(s, build_engine(s, generate=generate, metrics=metrics), metrics)
 

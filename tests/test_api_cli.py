@@ -84,7 +84,7 @@ def test_config_without_models_keeps_default_models(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--target", "a/b"], "--target was given without --draft"),
+        (["--draft", "a/b"], "--draft was given without --target"),
         (["--config", "no-such-preset"], "not found"),
         (["--port", "99999"], "--port"),
         (["--block-size", "0"], "--block-size"),
@@ -103,7 +103,7 @@ def test_every_settings_field_has_a_flag() -> None:
 def test_main_reports_errors_without_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["--target", "a/b"]) == 2
+    assert main(["--draft", "a/b"]) == 2  # a settings error (a drafter for no target)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     missing = str(tmp_path / "missing")

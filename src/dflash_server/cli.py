@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from dflash_server.engine.loader import (
-    DRAFT_PATTERNS,
     TARGET_PATTERNS,
     ModelLoadError,
+    resolve_draft,
     resolve_model,
 )
 from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list_presets
@@ -169,14 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Download before the server starts: progress bars go to the console and a bad id
         # fails here, in one line, instead of inside a running server.
         target_path = resolve_model(str(settings.target), "target", TARGET_PATTERNS)
-        draft_path = resolve_model(str(settings.draft), "draft", DRAFT_PATTERNS)
+        draft_path = resolve_draft(settings.drafter)
     except ModelLoadError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 1
-    return serve(settings, str(target_path), str(draft_path))
+    return serve(settings, str(target_path), draft_path)
 
 
-def serve(settings: Settings, target_path: str, draft_path: str) -> int:
+def serve(settings: Settings, target_path: str, draft_path: str | None) -> int:
     """Run uvicorn until shutdown; the engine loads the models on its worker meanwhile."""
     import uvicorn
 
@@ -211,7 +211,7 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_timeout) + 10,
     )
     server = GracefulServer(config, engine, settings.shutdown_timeout)
-    log.info("loading %s + %s", settings.target, settings.draft)
+    log.info("loading %s + %s", settings.target, settings.drafter or "no drafter")
     # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()

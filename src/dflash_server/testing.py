@@ -222,6 +222,7 @@ def build_target(
     nested_text_config: bool = True,
     seed: int = 0,
     quantize_bits: int | None = None,
+    mtp: bool = False,
 ) -> Path:
     """Write a random float32 mlx-lm model folder (config, weights, tokenizer); return ``path``.
 
@@ -229,6 +230,8 @@ def build_target(
     with at least 16 spare rows; ``mask_token_id(path)`` is the first spare row. A larger
     override (e.g. 32k for a ~100M benchmark model) leaves the tokenizer small. ``quantize_bits``
     quantizes (affine, group 64) the layers whose input width allows it, like ``mlx_lm.convert``.
+    ``mtp`` (qwen3_5 only) adds a random MTP head, ``mtp.*`` tensors in the published layout
+    (``mtp_num_hidden_layers: 1`` in the text config), quantized like the rest.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -292,8 +295,38 @@ def build_target(
         nn.quantize(model, 64, quantize_bits, mode="affine", class_predicate=predicate)
     mx.eval(model.parameters())
     save_model(path, model)
+    if mtp:
+        text["mtp_num_hidden_layers"] = 1
+        _save_mtp_head(path, text, config.get("quantization"))
     save_config(config, path / "config.json")
     return path
+
+
+def _save_mtp_head(path: Path, text: dict[str, Any], quantization: dict[str, Any] | None) -> None:
+    """A random MTP head for the target in ``path``, as ``mtp.*`` tensors of its own shard
+    (mlx-lm drops them when it loads the target, as it does a real checkpoint's)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from dflash_server.models.loading import flat_arrays
+    from dflash_server.models.mtp import MTPConfig, MTPDrafter
+
+    head = MTPDrafter(MTPConfig(text))
+    head.set_dtype(mx.float32)
+    for norm in (head.pre_fc_norm_embedding, head.pre_fc_norm_hidden):
+        norm.weight = 1.0 + 0.1 * mx.random.normal(norm.weight.shape)
+    if quantization is not None:
+        bits = quantization["bits"]
+        nn.quantize(head, 64, bits, class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % 64 == 0)  # fmt: skip
+    arrays = {f"mtp.{k}": v for k, v in flat_arrays(head.parameters())}
+    shard = "model-mtp.safetensors"
+    mx.save_safetensors(str(path / shard), arrays, metadata={"format": "mlx"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # as a real checkpoint's index maps its mtp.* tensors
+        content = json.loads(index.read_text())
+        content["weight_map"].update(dict.fromkeys(arrays, shard))
+        index.write_text(json.dumps(content, indent=2))
 
 
 def _tiny_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[str, Any]:

@@ -46,10 +46,10 @@ def build_engine(
     def loader() -> LoadedModels:
         models = load_models(
             target_path or str(settings.target),
-            draft_path or settings.draft,
+            draft_path or settings.drafter,
             settings.context_length,
             target_label=settings.target,
-            draft_label=settings.draft,
+            draft_label=settings.drafter,
             draft_window=settings.draft_window,
             suffix_tokens=settings.suffix_tokens,
             suffix_cache_bytes=settings.suffix_cache_bytes,

@@ -228,10 +228,10 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dflash_server.engine.loader import (
-        DRAFT_PATTERNS,
         TARGET_PATTERNS,
         ModelLoadError,
         load_models,
+        resolve_draft,
         resolve_model,
     )
     from dflash_server.settings import Settings, SettingsError
@@ -248,10 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.load(config=args.config, target=args.target, draft=args.draft)
         target = resolve_model(str(settings.target), "target", TARGET_PATTERNS)
-        draft = resolve_model(str(settings.draft), "draft", DRAFT_PATTERNS)
+        draft = resolve_draft(settings.drafter)
         window = args.draft_window if args.draft_window is not None else settings.draft_window
-        models = load_models(str(target), str(draft), draft_window=window,
-                             target_label=settings.target, draft_label=settings.draft,
+        models = load_models(str(target), draft, draft_window=window,
+                             target_label=settings.target, draft_label=settings.drafter,
                              calibration_cache=settings.calibration_folder)  # fmt: skip
     except (SettingsError, ModelLoadError, ValueError) as exc:
         print(f"dflash-serve bench: error: {exc}", file=sys.stderr)

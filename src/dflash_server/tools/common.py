@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
 from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -81,7 +82,7 @@ class DecodeResult:
 
 def decode(
     model: nn.Module,
-    draft: DFlashDraftModel | None,
+    draft: Drafter | None,
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
     block_size: int | None = None,

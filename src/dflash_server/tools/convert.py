@@ -131,12 +131,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights first")
     p.add_argument("--target", help="target model; measures the block-logit error vs the source")
     p.add_argument("--sample-file", help="text file for the logit-error sample (default: built-in)")
+    p.add_argument(
+        "--mtp", action="store_true",
+        help="SOURCE is a target checkpoint (or MTP folder): write its MTP head as a split "
+        "export, for a target conversion that dropped mtp.*",
+    )  # fmt: skip
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sample = Path(args.sample_file).read_text() if args.sample_file else SAMPLE_TEXT
+    if args.mtp:
+        from dflash_server.tools.train_mtp import split_mtp
+
+        try:
+            result = split_mtp(args.source, args.out, args.q_bits, args.q_group_size, args.dtype)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"dflash-serve convert: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {result['out']} (the MTP head of {result['source']})")
+        return 0
     try:
         report = convert(
             args.source, args.out, args.q_bits, args.q_group_size, args.dtype, args.target, sample

@@ -65,7 +65,7 @@ def fresh_config(args: argparse.Namespace, model: nn.Module, tokenizer: Any) -> 
         "rms_norm_eps": float(getattr(targs, "rms_norm_eps", 1e-6)),
         "rope_theta": 1e7,
         "max_position_embeddings": int(getattr(targs, "max_position_embeddings", 32768)),
-        "block_size": args.block_size,
+        "block_size": args.block_size or 16,
         "num_target_layers": n,
         "dflash_config": {
             "target_layer_ids": taps,
