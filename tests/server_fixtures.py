@@ -181,6 +181,36 @@ class ScriptedGenerate:
             self.finished += done
 
 
+class ScriptedTokens:
+    """A ``generate`` for Engine that replays token ids through the real detokenizer and stop
+    strings (``TextStream``), ``step`` tokens per commit (as a speculative cycle commits several),
+    ``delay`` seconds apart: the text as the model's tokens make it, an incomplete UTF-8
+    character held back included."""
+
+    def __init__(self, tokens: list[int], step: int = 1, delay: float = 0.0) -> None:
+        self.tokens, self.step, self.delay = tokens, step, delay
+
+    def __call__(self, models: Any, request: Any) -> Iterator[Any]:
+        from dflash_server.generation.cycle import Commit
+        from dflash_server.generation.text import TextStream, hidden_tokens
+
+        tokenizer = models.pair.tokenizer
+        text = TextStream(tokenizer, request.stop, hidden_tokens(tokenizer))
+        tokens, step, delay = self.tokens[: request.max_tokens], self.step, self.delay
+
+        def run() -> Iterator[Any]:
+            for i in range(0, len(tokens), step):
+                time.sleep(delay)
+                commit = tokens[i : i + step]
+                last = i + step >= len(tokens)
+                piece, _, finish = text.feed(Commit(commit, finish="stop" if last else None))
+                yield fake_response(piece, commit, finish, i + len(commit))
+                if finish is not None:
+                    return
+
+        return run()
+
+
 def slow(generate: Any, delay: float) -> Any:
     """Wrap a real ``stream_generate`` so each response takes at least ``delay`` seconds."""
 

@@ -253,7 +253,8 @@ def _stream_deltas(base: str, body: dict[str, Any]) -> tuple[str, str, list[str]
     ("thinking", "pieces", "reasoning", "content"),
     [
         (True, ["Let me th", "ink.\n</th", "ink>\n", "\nParis", "."], "Let me think.\n", "Paris."),
-        (False, ["<thi", "nk>\nhmm</think>", "\n\nParis."], "hmm", "Paris."),
+        # Thinking off: a <think> the model writes anyway is answer text, never reasoning.
+        (False, ["<thi", "nk>\nhmm</think>", "\n\nParis."], "", "<think>\nhmm</think>\n\nParis."),
         (False, ["Par", "is", "."], "", "Paris."),
     ],
 )
