@@ -14,7 +14,15 @@ from dflash_server.api.anthropic import to_chat as anthropic_chat
 from dflash_server.api.anthropic_events import MessageShaper
 from dflash_server.api.deps import EngineDep, MetricsDep, ResponsesDep, SettingsDep
 from dflash_server.api.errors import APIError
+from dflash_server.api.fields import (
+    CHAT_SPEC,
+    COMPLETION_SPEC,
+    MESSAGES_SPEC,
+    RESPONSES_SPEC,
+    ignored_fields,
+)
 from dflash_server.api.openai_events import ChatShaper, TextShaper
+from dflash_server.api.openai_responses import PASSED_ON as RESPONSES_PASSED_ON
 from dflash_server.api.openai_responses import ResponsesRequest, conversation, prepare_response
 from dflash_server.api.openai_responses_events import ResponseShaper
 from dflash_server.api.openai_responses_tools import ignored_tools_header, response_tools
@@ -25,7 +33,13 @@ from dflash_server.api.prepare import (
     prepare_completion,
     render_messages,
 )
-from dflash_server.api.types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from dflash_server.api.types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    extensions,
+)
 from dflash_server.engine.jobs import EngineNotReady, Job, QueueFull
 from dflash_server.engine.worker import Engine
 from dflash_server.settings import Settings
@@ -63,10 +77,11 @@ async def chat_completions(
     engine: EngineDep,
     metrics: MetricsDep,
 ) -> Response:
+    headers = ignored_fields(body, CHAT_SPEC, request)
     prepared = await prepare_chat(body, settings, engine)
     job = _submit(engine, metrics, prepared, "chat")
     shaper = ChatShaper(prepared, _tokenizer(engine))
-    return await answer(shaper, job, prepared.stream, request, settings)
+    return await answer(shaper, job, prepared.stream, request, settings, headers)
 
 
 @router.post("/v1/completions")
@@ -77,9 +92,10 @@ async def completions(
     engine: EngineDep,
     metrics: MetricsDep,
 ) -> Response:
+    headers = ignored_fields(body, COMPLETION_SPEC, request)
     prepared = await prepare_completion(body, settings, engine)
     job = _submit(engine, metrics, prepared, "completions")
-    return await answer(TextShaper(prepared), job, prepared.stream, request, settings)
+    return await answer(TextShaper(prepared), job, prepared.stream, request, settings, headers)
 
 
 @router.post("/v1/messages")
@@ -91,18 +107,20 @@ async def messages(
     metrics: MetricsDep,
 ) -> Response:
     """Anthropic Messages (see api/anthropic.py)."""
+    headers = ignored_fields(body, MESSAGES_SPEC, request, extensions(MessagesRequest))
     prepared = await prepare_chat(anthropic_chat(body), settings, engine)
     job = _submit(engine, metrics, prepared, "messages")
     shaper = MessageShaper(prepared, _tokenizer(engine), body.omit_thinking)
-    return await answer(shaper, job, prepared.stream, request, settings)
+    return await answer(shaper, job, prepared.stream, request, settings, headers)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(
-    body: CountTokensRequest, settings: SettingsDep, engine: EngineDep
-) -> dict[str, int]:
+    body: CountTokensRequest, request: Request, settings: SettingsDep, engine: EngineDep
+) -> JSONResponse:
+    headers = ignored_fields(body, MESSAGES_SPEC, request, extensions(CountTokensRequest))
     chat = await render_messages(anthropic_chat(body), settings, engine)
-    return {"input_tokens": len(chat.prompt.tokens)}
+    return JSONResponse({"input_tokens": len(chat.prompt.tokens)}, headers=headers)
 
 
 @router.post("/v1/responses")
@@ -115,12 +133,13 @@ async def responses(
     store: ResponsesDep,
 ) -> Response:
     """OpenAI Responses (see api/openai_responses.py)."""
+    headers = ignored_fields(body, RESPONSES_SPEC, request, RESPONSES_PASSED_ON)
     tools = response_tools(body.tools)
     so_far = conversation(store, body, tools)
     prepared, so_far = await prepare_response(body, so_far, tools, settings, engine)
     job = _submit(engine, metrics, prepared, "responses")
     shaper = ResponseShaper(prepared, _tokenizer(engine), body, tools, store, so_far)
-    headers = ignored_tools_header(tools)
+    headers |= ignored_tools_header(tools)
     return await answer(shaper, job, prepared.stream, request, settings, headers)
 
 
