@@ -141,8 +141,15 @@ class ScriptedGenerate:
     generator was closed before its end, so tests can check cancellation really stopped the work.
     """
 
-    def __init__(self, pieces: list[str], delay: float = 0.0, first_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        pieces: list[str],
+        delay: float = 0.0,
+        first_delay: float = 0.0,
+        source: str | None = None,
+    ) -> None:
         self.pieces, self.delay, self.first_delay = pieces, delay, first_delay
+        self.source = source  # each piece one token from it ("target", "draft"), for dflash_tokens
         self.calls: list[dict[str, Any]] = []
         self.closed_early = 0
         self.finished = 0
@@ -170,6 +177,7 @@ class ScriptedGenerate:
                 reason = "length" if done and len(pieces) == max_tokens else "stop"
                 response = fake_response(text, [i], reason if done else None, i + 1)
                 response.stop = hit
+                response.sources = [(text, self.source)] if self.source else None
                 yield response
                 if done:
                     return

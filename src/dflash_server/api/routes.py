@@ -42,6 +42,7 @@ from dflash_server.api.types import (
 )
 from dflash_server.engine.jobs import EngineNotReady, Job, QueueFull
 from dflash_server.engine.worker import Engine
+from dflash_server.generation.sampling import SERVED_FIELDS
 from dflash_server.settings import Settings
 
 # The API key and the body-size limit are checked before routing, by api/guard.py.
@@ -178,6 +179,18 @@ def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[st
     }
 
 
+def request_defaults(settings: Settings) -> dict[str, Any]:
+    """What a request gets for the fields it leaves out, so a client (the chat page) can show
+    them and send only what its user changed."""
+    sampling = {name: getattr(settings, name) for name in SERVED_FIELDS}
+    return sampling | {
+        "enable_thinking": settings.enable_thinking,
+        "max_tokens": settings.max_tokens,
+        "block_size": settings.block_size,
+        "speculative": settings.speculative,
+    }
+
+
 @public.get("/health")
 async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
     """200 when ready, 503 while loading or after a failed load; the body says which."""
@@ -195,6 +208,7 @@ async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
         "active_rows": engine.active_rows,
         "max_queue": engine.max_queue,
         "prefix_cache": engine.prefix_cache.stats() if engine.prefix_cache else None,
+        "defaults": request_defaults(settings),
     }
     if engine.error:
         body["error"] = engine.error
