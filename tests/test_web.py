@@ -142,6 +142,10 @@ class Page:
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
         self.page.goto(base + "/")
+        self.ready()
+
+    def ready(self) -> None:
+        """Wait until the page has heard from /health."""
         self.page.wait_for_function(
             "() => document.getElementById('server-status').textContent.includes('ready')"
         )
@@ -289,19 +293,14 @@ def test_answer_shows_once_with_a_token_legend(browser: Any, server: RunningServ
     page.configure(thinking=False)
     answer = page.send("say something")
     page.wait_done()
-    content = answer.locator(".content").inner_text().strip()
-    assert content and answer.locator(".content").is_visible()
+    assert answer.locator(".content").inner_text().strip()
     tokens = answer.locator("details.tokens")
     assert not tokens.evaluate("d => d.open") and not answer.locator(".tok-text").is_visible()
-    legend = tokens.locator("summary").inner_text()
-    counts = {
-        key.locator(".swatch").get_attribute("class").split()[1]: key.inner_text()
-        for key in tokens.locator("summary .key").all()
-    }
-    assert "target" in counts and set(counts) <= {"draft", "suffix", "target"}, legend
+    legend = tokens.locator(".key").all()  # "swatch draft" -> "accepted draft: 7"
+    counts = {k.locator(".swatch").get_attribute("class")[7:]: k.inner_text() for k in legend}
+    assert "target" in counts and set(counts) <= {"draft", "suffix", "target"}, counts
     total = sum(int(text.rsplit(":", 1)[1]) for text in counts.values())
-    assert total == answer.locator(".tok").count()
-    assert _stats(answer)["tokens"] == str(total)
+    assert total == answer.locator(".tok").count() and _stats(answer)["tokens"] == str(total)
     # Opened, the tinted tokens show, and stay open while the conversation re-renders.
     tokens.locator("summary").click()
     assert answer.locator(".tok-text").is_visible()
@@ -334,12 +333,7 @@ def test_page_shows_server_defaults_and_sends_only_what_the_user_set(
     page = Page(browser, defaults_server.base_url)
     p = page.page
     sent: list[dict[str, Any]] = []
-    p.on(
-        "request",
-        lambda r: sent.append(json.loads(r.post_data)) if r.url.endswith("/completions") else None,
-    )
-    if not p.is_visible("#thinking"):
-        p.click("#settings summary")
+    p.on("request", lambda r: sent.append(json.loads(r.post_data)) if r.method == "POST" else None)
     assert p.locator("#thinking option").first.inner_text() == "server default (off)"
     assert p.get_attribute("#temperature", "placeholder") == "server default: 0"
     assert p.get_attribute("#block-size", "placeholder") == "server default: auto"
@@ -351,20 +345,14 @@ def test_page_shows_server_defaults_and_sends_only_what_the_user_set(
         return sent[-1]
 
     untouched = ask("hello")
-    for field in ("temperature", "chat_template_kwargs", "enable_thinking", "max_tokens"):
-        assert field not in untouched, untouched
+    assert not {"temperature", "chat_template_kwargs", "max_tokens"} & set(untouched), untouched
     p.fill("#temperature", "0.5")
     p.select_option("#thinking", "on")
     chosen = ask("again")
-    assert chosen["temperature"] == 0.5
-    assert chosen["chat_template_kwargs"] == {"enable_thinking": True}
+    assert chosen["temperature"] == 0.5 and chosen["chat_template_kwargs"]["enable_thinking"]
     # Choices survive a reload; emptied again, the field is the server's once more.
     p.reload()
-    p.wait_for_function(
-        "() => document.getElementById('server-status').textContent.includes('ready')"
-    )
-    if not p.is_visible("#thinking"):
-        p.click("#settings summary")
+    page.ready()
     assert p.input_value("#temperature") == "0.5" and p.input_value("#thinking") == "on"
     p.fill("#temperature", "")
     p.select_option("#thinking", "")
