@@ -141,8 +141,15 @@ class ScriptedGenerate:
     generator was closed before its end, so tests can check cancellation really stopped the work.
     """
 
-    def __init__(self, pieces: list[str], delay: float = 0.0, first_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        pieces: list[str],
+        delay: float = 0.0,
+        first_delay: float = 0.0,
+        source: str | None = None,
+    ) -> None:
         self.pieces, self.delay, self.first_delay = pieces, delay, first_delay
+        self.source = source  # each piece one token from it ("target", "draft"), for dflash_tokens
         self.calls: list[dict[str, Any]] = []
         self.closed_early = 0
         self.finished = 0
@@ -170,6 +177,7 @@ class ScriptedGenerate:
                 reason = "length" if done and len(pieces) == max_tokens else "stop"
                 response = fake_response(text, [i], reason if done else None, i + 1)
                 response.stop = hit
+                response.sources = [(text, self.source)] if self.source else None
                 yield response
                 if done:
                     return
@@ -179,6 +187,36 @@ class ScriptedGenerate:
             raise
         finally:
             self.finished += done
+
+
+class ScriptedTokens:
+    """A ``generate`` for Engine that replays token ids through the real detokenizer and stop
+    strings (``TextStream``), ``step`` tokens per commit (as a speculative cycle commits several),
+    ``delay`` seconds apart: the text as the model's tokens make it, an incomplete UTF-8
+    character held back included."""
+
+    def __init__(self, tokens: list[int], step: int = 1, delay: float = 0.0) -> None:
+        self.tokens, self.step, self.delay = tokens, step, delay
+
+    def __call__(self, models: Any, request: Any) -> Iterator[Any]:
+        from dflash_server.generation.cycle import Commit
+        from dflash_server.generation.text import TextStream, hidden_tokens
+
+        tokenizer = models.pair.tokenizer
+        text = TextStream(tokenizer, request.stop, hidden_tokens(tokenizer))
+        tokens, step, delay = self.tokens[: request.max_tokens], self.step, self.delay
+
+        def run() -> Iterator[Any]:
+            for i in range(0, len(tokens), step):
+                time.sleep(delay)
+                commit = tokens[i : i + step]
+                last = i + step >= len(tokens)
+                piece, _, finish = text.feed(Commit(commit, finish="stop" if last else None))
+                yield fake_response(piece, commit, finish, i + len(commit))
+                if finish is not None:
+                    return
+
+        return run()
 
 
 def slow(generate: Any, delay: float) -> Any:

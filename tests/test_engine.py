@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dflash_server.chat.prompts import render_chat, render_completion
-from dflash_server.chat.reasoning import ReasoningSplitter, split_reasoning
+from dflash_server.chat.reasoning import ReasoningSplitter, joined, split_reasoning
 from dflash_server.engine.loader import LoadedModels, ModelLoadError, load_models, resolve_model
 from dflash_server.engine.worker import (
     Engine,
@@ -51,10 +51,10 @@ def test_split_any_chunking(opens: bool, text: str, reasoning: str, content: str
         splitter = ReasoningSplitter(opens)
         out_r, out_c = "", ""
         for piece in pieces:
-            r, c = splitter.feed(piece)
+            r, c = joined(splitter.feed(piece))
             out_r, out_c = out_r + r, out_c + c
             assert "<think>" not in c and "</think>" not in c
-        r, c = splitter.finish()
+        r, c = joined(splitter.finish())
         assert (out_r + r, out_c + c) == (reasoning, content), pieces
 
 
