@@ -141,7 +141,9 @@ class Row:
         """Feed the prompt in chunks into the row's own cache (after what the prefix cache
         restores), yielding ``PREFILL_CHUNK`` after each chunk but the last so a scheduler can
         run other work in between; return the first token as a (lazy) one-row cycle. With a
-        prefix cache, chunks also end at the checkpoints, where the recurrent state is kept."""
+        prefix cache, chunks also end at the checkpoints, where the recurrent state is kept;
+        a prefill stopped between chunks (the request was cancelled: a client that timed out
+        and will retry) keeps what it prefilled as an entry, so the retry resumes there."""
         prompt = self.prompt
         start, checkpoints = self._restore()
         tokens = mx.array(prompt)[None]
@@ -160,7 +162,11 @@ class Row:
                     mx.eval([c.state for c in self.cache], *self.draft_state())
                     mx.clear_cache()
             if not last:
-                yield PREFILL_CHUNK
+                try:
+                    yield PREFILL_CHUNK
+                except GeneratorExit:
+                    self._keep_prefilled(end, checkpoints)
+                    raise
         return self.first_token(_rows(logits)[0], checkpoints)
 
     def first_token(self, logits: mx.array, checkpoints: dict[int, Checkpoint]) -> Cycle:
@@ -177,6 +183,17 @@ class Row:
             first = self.sampler.sample(logits)
             result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
         return Cycle(result, None, 1, self._logprobs(logits, first), prefill=True)
+
+    def _keep_prefilled(self, done: int, checkpoints: dict[int, Checkpoint]) -> None:
+        """Store the first ``done`` prompt tokens' state (the caches hold exactly that between
+        chunks) as a prefix-cache entry, restorable at ``done``."""
+        if self.prefix is None or done <= self.stats.cached_tokens:
+            return  # no cache, or nothing prefilled beyond what it restored
+        with mx.stream(generation_stream):
+            kept = {**checkpoints, done: Checkpoint.take(self.cache, self.draft_cache)}
+            snapshot = PromptSnapshot.take(self.prompt[:done], self.cache, self.draft_cache, kept)
+            mx.async_eval(snapshot.arrays())
+        self.prefix.store(self._prefix_kind, snapshot)
 
     def checkpoint_positions(self) -> set[int]:
         """Where the prefill keeps recurrent state (with a prefix cache): the requested
