@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -107,11 +108,12 @@ def test_main_reports_errors_without_traceback(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     missing = str(tmp_path / "missing")
-    assert main(["--target", missing, "--draft", missing]) == 1
+    port = ["--port", str(free_port())]  # the port is checked first: one that is free
+    assert main(["--target", missing, "--draft", missing, *port]) == 1
     err = capsys.readouterr().err
     assert err.startswith("dflash-serve: error: target") and err.count("\n") == 1
     # A hub id that cannot be fetched (tests run with HF_HUB_OFFLINE=1).
-    assert main(["--target", "nobody-xyz/model", "--draft", "nobody-xyz/drafter"]) == 1
+    assert main(["--target", "nobody-xyz/model", "--draft", "nobody-xyz/drafter", *port]) == 1
     err = capsys.readouterr().err
     assert "nobody-xyz/model" in err and err.count("\n") == 1 and "Traceback" not in err
 
@@ -179,3 +181,15 @@ def test_help_lists_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     out = capsys.readouterr().out
     assert "convert" in out and "train" in out
+
+
+def test_busy_port_is_one_line_before_any_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        missing = "/no/such/model"  # never looked at: the port comes first
+        assert main(["--target", missing, "--draft", missing, "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 is already in use" in err
+    assert "--port" in err and "Traceback" not in err

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from server_fixtures import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # builds a wheel and a venv, runs the CLI four times
 
@@ -87,9 +89,10 @@ def test_dflash_serve_from_the_wheel(installed: tuple[Path, Path], tmp_path: Pat
     assert help_.returncode == 0, help_.stderr
     assert "qwen3.5-9b" in help_.stdout  # the preset list in --config's help
 
-    # Offline, a preset resolves and the run stops at the hub, in one line.
+    # Offline, a preset resolves and the run stops at the hub, in one line (the port, checked
+    # first, is a free one).
     for args in ((), ("--config", "qwen3.5-9b")):
-        run = _run(exe, *args, cwd=tmp_path)
+        run = _run(exe, *args, "--port", str(free_port()), cwd=tmp_path)
         assert run.returncode == 1, run.stderr
         (line,) = run.stderr.strip().splitlines()
         assert "hub is unreachable" in line, line

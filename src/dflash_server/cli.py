@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 from types import UnionType
@@ -140,6 +142,35 @@ def load_settings(argv: Sequence[str] | None = None) -> Settings:
         raise SettingsError(f"{flag}{msg}") from None
 
 
+def listen_error(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (found by binding it now, before minutes
+    of loading), or None."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host {host!r}: {exc.strerror}"
+    for family, kind, proto, _, address in addresses:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this machine lacks (IPv6 off): uvicorn skips it too
+            continue
+        with sock:
+            # Bound as asyncio binds uvicorn's sockets, so the test fails exactly when it would.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (
+                        f"port {port} on {host} is already in use (another dflash-serve?): stop "
+                        "that server, or choose another port with --port"
+                    )
+                return f"cannot listen on {host}:{port}: {exc.strerror} (check --host)"
+    return None
+
+
 def _uvicorn_log_config(level: str) -> dict[str, Any]:
     from uvicorn.config import LOGGING_CONFIG
 
@@ -164,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 2
+    if (problem := listen_error(settings.host, settings.port)) is not None:
+        print(f"dflash-serve: error: {problem}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:  %(message)s")
     try:
         # Download before the server starts: progress bars go to the console and a bad id
