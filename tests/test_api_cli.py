@@ -16,7 +16,7 @@ import pytest
 
 from dflash_server.cli import build_parser, load_settings, main
 from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list_presets
-from server_fixtures import build_draft, free_port
+from server_fixtures import ServeProcess, build_draft, free_port
 
 
 @pytest.fixture(autouse=True)
@@ -193,3 +193,21 @@ def test_busy_port_is_one_line_before_any_loading(capsys: pytest.CaptureFixture[
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 is already in use" in err
     assert "--port" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_ready_is_logged_when_health_is_200(tiny_hybrid_path: Path, draft_path: Path) -> None:
+    """The "ready" line comes after every load-time measurement: a request it invites is served.
+    A --context-length above the model's limit is reported as capped."""
+    port = free_port()
+    args = ["--target", str(tiny_hybrid_path), "--draft", str(draft_path), "--port", str(port)]
+    server = ServeProcess([*args, "--context-length", "100000000"], slow=2)
+    try:
+        server.wait_for("ready: serving")
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        code, _ = server.stop(signal.SIGINT)
+    finally:
+        server.kill()
+    assert code == 0, server.output
+    assert "measuring pass costs" in server.output
+    assert "--context-length 100000000 is above the model's limit: capped to 32768" in server.output

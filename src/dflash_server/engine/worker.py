@@ -116,6 +116,7 @@ class Engine:
         prefill_step_size: int = 2048,
         generate: GenerateFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
         prefix_cache: PrefixCache | None = None,
         batching: str = "batched",
         max_verify: int | None = None,
@@ -132,6 +133,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self._generate = generate
         self._on_fatal = on_fatal
+        self._on_ready = on_ready  # once requests are admitted (after every load-time measurement)
         self.max_queue = max_queue
         # None: decided at load (batched: the rows a pass supports, at least 4; else 4).
         self._auto_active = max_active is None
@@ -237,6 +239,8 @@ class Engine:
             log.info("max_active: %d requests at once", self.max_active)
         self.state = "ready"
         self._ready.set()
+        if self._on_ready is not None:
+            self._on_ready()
         try:
             with self.models.pair.wired.held():  # for the engine's lifetime
                 while self._round():
