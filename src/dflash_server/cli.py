@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import errno
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -249,6 +250,12 @@ def serve(settings: Settings, target_path: str, draft_path: str | None) -> int:
     # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
+    if engine.loading:
+        # Stopped while loading: the worker is inside MLX and cannot be interrupted, and
+        # finalizing the interpreter under it aborts in C++; so the process ends here, at once.
+        log.info("stopped while loading the models")
+        logging.shutdown()
+        os._exit(130)
     if failure:
         print(f"dflash-serve: error: {failure[0]}", file=sys.stderr)
         return 1

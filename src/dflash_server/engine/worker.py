@@ -167,7 +167,8 @@ class Engine:
         """End every job with a final 'shutting down' event and join the worker.
 
         Waiting jobs end at once; active ones at the worker's next step (it finishes its
-        current cycle first), so every open stream still gets its last event.
+        current cycle first), so every open stream still gets its last event. A worker still
+        loading holds no job and cannot be interrupted inside MLX: it is not waited for.
         """
         with self._cond:
             self._stopping = True
@@ -176,13 +177,19 @@ class Engine:
         for job in pending:
             job.cancel()
             job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        worker = self._thread
+        if worker.is_alive() and not self.loading and worker is not threading.current_thread():
+            worker.join(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until loading ended (either way); True when ready."""
         self._ready.wait(timeout)
         return self.state == "ready"
+
+    @property
+    def loading(self) -> bool:
+        """The worker is loading the models or measuring their costs (inside MLX)."""
+        return self.state == "loading" and self._thread.is_alive()
 
     @property
     def queue_depth(self) -> int:
