@@ -96,6 +96,14 @@ def test_bad_settings_are_one_line(argv: list[str], needle: str) -> None:
         load_settings(argv)
 
 
+def test_a_bad_environment_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_PORT", "notaport")
+    with pytest.raises(SettingsError, match=r"^DFLASH_PORT='notaport': .*integer") as info:
+        load_settings([])
+    assert "--port" not in str(info.value)
+    assert load_settings(["--port", "9000"]).port == 9000  # the flag wins, the variable unread
+
+
 def test_every_settings_field_has_a_flag() -> None:
     flags = {a.dest for a in build_parser()._actions}
     assert set(Settings.model_fields) <= flags
@@ -211,3 +219,18 @@ def test_ready_is_logged_when_health_is_200(tiny_hybrid_path: Path, draft_path: 
     assert code == 0, server.output
     assert "measuring pass costs" in server.output
     assert "--context-length 100000000 is above the model's limit: capped to 32768" in server.output
+
+
+def test_version_and_mistyped_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("dflash-serve 0.")
+    assert main(["bnech", "--config", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-serve: error: no subcommand 'bnech' (did you mean 'bench'?)")
+    assert all(name in err for name in ("convert", "train", "export", "bench"))
+    assert err.count("\n") <= 6  # not the usage of every flag
+    with pytest.raises(SystemExit) as exit_:
+        main(["--prot", "9000"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --prot" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
 import logging
 import os
@@ -11,7 +12,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
@@ -97,16 +98,28 @@ def _number_or(words: list[str]) -> Any:
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistyped flag is a short error, not the usage line of every flag."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _subcommands() -> str:
+    tools = "\n".join(f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items())
+    return f"subcommands (dflash-serve NAME --help):\n{tools}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Flags generated from Settings; every one defaults to None (= not given) so lower
     settings layers can fill it."""
-    tools = "\n".join(f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items())
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="dflash-serve",
         description="OpenAI-compatible server for DFlash speculative decoding on MLX. "
         "Flags override DFLASH_* environment variables, which override --config; with no model "
-        f"named anywhere the '{DEFAULT_PRESET}' preset is used.",
-        epilog=f"subcommands (dflash-serve NAME --help):\n{tools}",
+        f"named anywhere the '{DEFAULT_PRESET}' preset is used. "
+        "dflash-serve --version prints the version.",
+        epilog=_subcommands(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=None,
     )
@@ -139,8 +152,19 @@ def load_settings(argv: Sequence[str] | None = None) -> Settings:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err.get("loc", ()))
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        flag = f"--{field.replace('_', '-')}: " if field else ""
-        raise SettingsError(f"{flag}{msg}") from None
+        where = f"{_source(field, args)}: " if field else ""
+        raise SettingsError(f"{where}{msg}") from None
+
+
+def _source(field: str, args: dict[str, Any]) -> str:
+    """Where a setting's value came from, as the user wrote it: flag, variable or config key."""
+    variable = f"DFLASH_{field.upper()}"
+    config = args.get("config") or os.environ.get("DFLASH_CONFIG")
+    if args.get(field) is None and variable in os.environ:
+        return f"{variable}={os.environ[variable]!r}"
+    if args.get(field) is None and config:
+        return f"{field!r} in {config}"
+    return _flag(field)
 
 
 def listen_error(host: str, port: int) -> str | None:
@@ -172,6 +196,15 @@ def listen_error(host: str, port: int) -> str | None:
     return None
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dflash-server")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree, not installed
+        return "unknown (not installed)"
+
+
 def _uvicorn_log_config(level: str) -> dict[str, Any]:
     from uvicorn.config import LOGGING_CONFIG
 
@@ -191,8 +224,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(SUBCOMMANDS[args[0]][0]).main(args[1:])
+    if args and not args[0].startswith("-"):  # the server takes no positional arguments
+        close = difflib.get_close_matches(args[0], SUBCOMMANDS, n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"dflash-serve: error: no subcommand {args[0]!r}{guess}", file=sys.stderr)
+        print(_subcommands(), file=sys.stderr)
+        return 2
+    if "--version" in args:
+        print(f"dflash-serve {_version()}")
+        return 0
     try:
-        settings = load_settings(argv)
+        settings = load_settings(args)
     except SettingsError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 2
