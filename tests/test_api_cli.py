@@ -234,3 +234,24 @@ def test_version_and_mistyped_commands(capsys: pytest.CaptureFixture[str]) -> No
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unrecognized arguments: --prot" in err
+
+
+def test_slow_blas_is_named_with_the_fix(tmp_path: Path) -> None:
+    """On Linux without OpenBLAS in the process, start-up says what to install and set."""
+    from dflash_server.engine.blas import blas_hint
+
+    maps = tmp_path / "maps"
+    wheel_blas = "7f50-7f51 r-xp 0 fe:00 1 /venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
+    numpy_own = "7f52-7f53 r-xp 0 fe:00 2 /venv/numpy.libs/libscipy_openblas64_-32a4b2a6.so"
+    maps.write_text(f"{wheel_blas}\n{numpy_own}\n")
+    if sys.platform != "linux":
+        assert blas_hint(maps) is None
+        return
+    hint = blas_hint(maps)
+    assert hint is not None and "apt-get install libopenblas0-pthread" in hint
+    assert "LD_PRELOAD=" in hint and "\n" not in hint
+    openblas = (
+        "7f54-7f55 r-xp 0 fe:00 3 /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    )
+    maps.write_text(f"{wheel_blas}\n{openblas}\n")
+    assert blas_hint(maps) is None

@@ -17,6 +17,7 @@ from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from dflash_server.engine.blas import blas_hint
 from dflash_server.engine.loader import (
     TARGET_PATTERNS,
     ModelLoadError,
@@ -269,6 +270,8 @@ def serve(settings: Settings, target_path: str, draft_path: str | None) -> int:
         if server is not None:
             server.should_exit = True
 
+    if (hint := blas_hint()) is not None:
+        log.warning("%s", hint)
     metrics = Metrics() if settings.metrics else None
     engine = build_engine(
         settings,
