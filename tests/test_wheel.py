@@ -83,6 +83,17 @@ def test_the_wheel_ships_presets_and_the_chat_page(installed: tuple[Path, Path])
     assert "dflash_server/py.typed" in names
 
 
+def test_the_wheel_ships_the_license(installed: tuple[Path, Path]) -> None:
+    """The Apache-2.0 text that pyproject.toml declares, in the wheel's metadata."""
+    wheel, _ = installed
+    with zipfile.ZipFile(wheel) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        text = z.read(name).decode()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert text == (ROOT / "LICENSE").read_text()
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
+
+
 def test_dflash_serve_from_the_wheel(installed: tuple[Path, Path], tmp_path: Path) -> None:
     _, exe = installed
     help_ = _run(exe, "--help", cwd=tmp_path)
