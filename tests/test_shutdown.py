@@ -89,7 +89,14 @@ def test_signal_ends_every_stream_with_a_final_event(
             blocking.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60))
 
         threads.append(threading.Thread(target=whole))
-        for t in threads:
+        # The non-streamed one first, in the engine before the signal (else it may connect after
+        # the listener closed: a refused connection, not the 503 checked below).
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{base}/health", timeout=5).json()["queue_depth"] < 1:
+            assert time.monotonic() < deadline, "the non-streamed request never arrived"
+            time.sleep(0.05)
+        for t in threads[:-1]:
             t.start()
         assert long_started.wait(30) and short_started.wait(30)
         proc.send_signal(sig)
