@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -261,3 +265,78 @@ async def drain(job: Any, timeout: float = 30) -> list[Any]:
         events.extend(batch)
     assert batch is not None, "timed out"
     return events
+
+
+# The real CLI, with ``SLOW`` seconds of MLX work (a big model's load-time measurements, on the
+# tiny models) before the engine measures its batched pass costs, the last step of loading.
+SLOW_LOAD = """
+import sys, time
+import mlx.core as mx
+import dflash_server.generation.batch_budget as budget
+
+measure = budget.measure_pass_costs
+
+def slow(*args, **kwargs):
+    print("measuring pass costs", flush=True)
+    end, x = time.monotonic() + float(sys.argv[1]), mx.ones((64, 64))
+    while time.monotonic() < end:
+        mx.eval(x @ x)
+    return measure(*args, **kwargs)
+
+budget.measure_pass_costs = slow
+from dflash_server.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+class ServeProcess:
+    """``dflash-serve ARGS`` in a subprocess (loading slowed by ``slow`` seconds), its output
+    (stdout and stderr) read line by line as it comes. No calibration cache: the (slowed)
+    measurements run at every start, and nothing is written."""
+
+    def __init__(self, args: list[str], slow: float = 0.0) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_LOAD, str(slow), *args, "--calibration-cache", "off"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, needle: str, timeout: float = 90) -> str:
+        """The first (next) output line containing ``needle``; fails if the process ends first."""
+        deadline = time.monotonic() + timeout
+        while (line := self._queue.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+            self.lines.append(line)
+            if needle in line:
+                return line
+        raise AssertionError(f"exited ({self.proc.wait()}) before {needle!r}:\n" + self.output)
+
+    def stop(self, sig: int, timeout: float = 60) -> tuple[int, float]:
+        """Send ``sig``; (exit status, seconds until the process ended)."""
+        start = time.monotonic()
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        seconds = time.monotonic() - start
+        while (line := self._queue.get(timeout=10)) is not None:
+            self.lines.append(line)
+        return code, seconds
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

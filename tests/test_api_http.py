@@ -197,6 +197,14 @@ def test_health(server: RunningServer) -> None:
     assert defaults["speculative"] is True and {"top_p", "top_k", "min_p"} <= set(defaults)
 
 
+def test_head_of_the_chat_page(server: RunningServer) -> None:
+    """HEAD / answers as GET / does (uptime checks use it), without the body."""
+    get, head = httpx.get(f"{server.base_url}/"), httpx.head(f"{server.base_url}/")
+    assert head.status_code == get.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert head.headers["content-length"] == str(len(get.content))
+
+
 def test_cors(server: RunningServer) -> None:
     pre = {
         "Access-Control-Request-Method": "POST",

@@ -111,6 +111,22 @@ def test_missing_models_are_one_line_errors(tmp_path: Path) -> None:
         load_models(str(tmp_path), None)  # an empty folder
 
 
+def test_long_prompts_bring_no_tokenizer_warning(
+    tiny_hybrid_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The context limit is the model's: a smaller tokenizer ``model_max_length`` warns of
+    nothing (transformers' "indexing errors" warning misled users on long prompts)."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(tiny_hybrid_path, tmp_path / "short-tokenizer")
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 64}))
+    pair = load_models(str(folder), None, measure=False).pair
+    assert len(pair.tokenizer.encode("hello world " * 100)) > 64
+    assert not [r for r in caplog.records if "sequence length" in r.getMessage()]
+
+
 def _engine(models: LoadedModels, gen: Any, max_queue: int = 4) -> Engine:
     return start_engine(models, gen, max_queue=max_queue)
 

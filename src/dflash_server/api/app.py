@@ -57,6 +57,12 @@ def build_engine(
         )
         for line in describe(models.summary).splitlines():
             log.info("%s", line)
+        if settings.context_length and settings.context_length > models.summary.context_length:
+            log.warning(
+                "--context-length %d is above the model's limit: capped to %d",
+                settings.context_length,
+                models.summary.context_length,
+            )
         if prefix_cache is None:
             log.info("prefix cache: off")
         else:
@@ -64,10 +70,12 @@ def build_engine(
                 folder, budget = settings.prefix_cache_dir, settings.prefix_cache_disk_bytes
                 prefix_cache.add_disk(PrefixDisk(folder, budget, models.summary.fingerprint))
             log.info("prefix cache: %s", prefix_cache.describe())
+        return models
+
+    def ready() -> None:  # the engine calls it once /health says 200, not before
         log.info(
             "ready: serving %r at http://%s:%d/v1", settings.model_id, settings.host, settings.port
         )
-        return models
 
     return Engine(
         loader,
@@ -78,6 +86,7 @@ def build_engine(
         max_verify=settings.max_verify,
         generate=generate,
         on_fatal=on_fatal,
+        on_ready=ready,
         prefix_cache=prefix_cache,
         on_pass=metrics.observe_pass if metrics is not None else None,
     )

@@ -116,6 +116,7 @@ class Engine:
         prefill_step_size: int = 2048,
         generate: GenerateFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
         prefix_cache: PrefixCache | None = None,
         batching: str = "batched",
         max_verify: int | None = None,
@@ -132,6 +133,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self._generate = generate
         self._on_fatal = on_fatal
+        self._on_ready = on_ready  # once requests are admitted (after every load-time measurement)
         self.max_queue = max_queue
         # None: decided at load (batched: the rows a pass supports, at least 4; else 4).
         self._auto_active = max_active is None
@@ -165,7 +167,8 @@ class Engine:
         """End every job with a final 'shutting down' event and join the worker.
 
         Waiting jobs end at once; active ones at the worker's next step (it finishes its
-        current cycle first), so every open stream still gets its last event.
+        current cycle first), so every open stream still gets its last event. A worker still
+        loading holds no job and cannot be interrupted inside MLX: it is not waited for.
         """
         with self._cond:
             self._stopping = True
@@ -174,13 +177,19 @@ class Engine:
         for job in pending:
             job.cancel()
             job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        worker = self._thread
+        if worker.is_alive() and not self.loading and worker is not threading.current_thread():
+            worker.join(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until loading ended (either way); True when ready."""
         self._ready.wait(timeout)
         return self.state == "ready"
+
+    @property
+    def loading(self) -> bool:
+        """The worker is loading the models or measuring their costs (inside MLX)."""
+        return self.state == "loading" and self._thread.is_alive()
 
     @property
     def queue_depth(self) -> int:
@@ -237,6 +246,8 @@ class Engine:
             log.info("max_active: %d requests at once", self.max_active)
         self.state = "ready"
         self._ready.set()
+        if self._on_ready is not None:
+            self._on_ready()
         try:
             with self.models.pair.wired.held():  # for the engine's lifetime
                 while self._round():

@@ -26,6 +26,7 @@ from dflash_server.models.variants import assistant_kwargs
 from dflash_server.models.window import default_window
 
 _DRAFT_PATTERNS = ["*.safetensors", "*.json"]
+NO_LIMIT = int(1e30)  # what transformers itself uses for "no maximum length"
 
 
 def resolve_model_path(repo_or_path: str | Path, allow_patterns: list[str] | None = None) -> Path:
@@ -57,6 +58,9 @@ def load(path_or_repo: str | Path, **kwargs: Any) -> tuple[nn.Module, TokenizerW
     from mlx_lm import load as mlx_lm_load
 
     model, tokenizer = mlx_lm_load(str(path_or_repo), **kwargs)[:2]
+    # The context limit is the model config's (and the server's --context-length); the
+    # tokenizer's own limit only warns of "indexing errors" that cannot happen here.
+    tokenizer.model_max_length = NO_LIMIT
     return model, tokenizer
 
 

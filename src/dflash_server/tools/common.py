@@ -34,6 +34,18 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def check_out(out: Path, force: bool, other: str = "") -> None:
+    """Refuse an ``--out`` that would overwrite something: a file, or a folder with files in it
+    unless ``--force`` (``other``: another way out, named in the message)."""
+    if out.is_file():
+        raise ValueError(f"--out {out} is a file: give a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(
+            f"--out {out} already holds files: pass --force to overwrite them{other}, or choose "
+            "another folder"
+        )
+
+
 def save_drafter(
     draft: DFlashDraftModel, out: Path, config: dict[str, Any], card: Sequence[str]
 ) -> None:

@@ -23,11 +23,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from dflash_server.engine.loader import TARGET_PATTERNS, ModelLoadError, resolve_model
 from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.drafter import DFlashDraftModel
 from dflash_server.models.loading import flat_arrays, load_arrays
-from dflash_server.tools.common import decode, model_card, save_drafter
+from dflash_server.tools.common import check_out, decode, model_card, save_drafter
 from dflash_server.tools.train_data import (
     DiskCache,
     OnTheFly,
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="mlx-lm target: HF repo id or local folder")
     p.add_argument("--data", required=True, help="JSONL (messages/text), text file, or folder")
     p.add_argument("--out", required=True, help="output folder (checkpoints, logs)")
+    p.add_argument("--force", action="store_true", help="start over in an --out that holds files")
     p.add_argument(
         "--init",
         default="new",
@@ -122,6 +124,8 @@ def _validate(args: argparse.Namespace) -> None:
     for flag, ok, rule in checks:
         if not ok:
             raise ValueError(f"{flag} must be {rule}")
+    if not args.resume:
+        check_out(Path(args.out).expanduser(), args.force, " (--resume continues that run)")
 
 
 def _eval_tau(model: nn.Module, draft: Drafter, prompts: np.ndarray, n: int) -> float:
@@ -134,7 +138,9 @@ class Trainer:
 
         _validate(args)
         self.args, self.log, self.out = args, log, Path(args.out).expanduser()
-        self.model, self.tokenizer = load(str(args.target))
+        self.model, self.tokenizer = load(
+            str(resolve_model(args.target, "target", TARGET_PATTERNS))
+        )
         mx.random.seed(args.seed)  # fresh weights are a function of --seed: runs are repeatable
         self.draft: Any  # a DFlash drafter, or the MTP head with --mtp
         if args.mtp:
@@ -330,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         summary = Trainer(args).run()
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ModelLoadError) as exc:
         print(f"dflash-serve train: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=1))
