@@ -11,15 +11,9 @@ import pytest
 
 from dflash_server.chat.prompts import render_chat, render_completion
 from dflash_server.chat.reasoning import ReasoningSplitter, joined, split_reasoning
+from dflash_server.engine.jobs import EngineNotReady, Failed, Finished, QueueFull, TextChunk
 from dflash_server.engine.loader import LoadedModels, ModelLoadError, load_models, resolve_model
-from dflash_server.engine.worker import (
-    Engine,
-    EngineNotReady,
-    Failed,
-    Finished,
-    QueueFull,
-    TextChunk,
-)
+from dflash_server.engine.worker import Engine
 from server_fixtures import ScriptedGenerate, drain, make_job, start_engine
 
 # ----- reasoning split ---------------------------------------------------------------------
