@@ -29,6 +29,14 @@ class TargetParts:
         return len(self.layers)
 
 
+def _gathered(head: nn.Module, group: Any) -> Callable[[mx.array], mx.array]:
+    """A vocabulary-sharded head whose logits come back whole on every rank (as mlx-lm's own
+    forward gathers them), so sampling and the drafter see every token."""
+    from mlx_lm.models.base import gather_last_axis
+
+    return lambda hidden: gather_last_axis(head(hidden), group)
+
+
 def find_target_parts(model: nn.Module) -> TargetParts:
     outer = getattr(model, "language_model", model)
     backbone = getattr(outer, "model", None)
@@ -40,6 +48,9 @@ def find_target_parts(model: nn.Module) -> TargetParts:
     embed = backbone.embed_tokens
     head: Any = outer.get("lm_head") if isinstance(outer, nn.Module) else None
     lm_head = head if head is not None else embed.as_linear
+    group = getattr(outer, "sharding_group", None)
+    if head is not None and group is not None:  # tensor parallel: each rank holds a vocab slice
+        lm_head = _gathered(head, group)
     weight = embed["weight"]
     rows = weight.shape[0]
     # Quantized embeddings pack the hidden dim; the norm's weight always has the true size.
