@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from dflash_server.generation.protocols import ConstraintSpec, Drafter, TokenConstraint
-from dflash_server.generation.sampling import SamplingParams
+from dflash_server.generation.sampling import SamplingParams, fresh_entropy
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -77,6 +77,9 @@ class GenerationRequest:
     sampler: Callable[[mx.array], mx.array] | None = None
     # Leave control tokens out of the text (the server's default; see text.hidden_tokens).
     skip_special_tokens: bool = False
+    # Seeds the draws of a request without ``seed``, drawn once, here: every rank that runs the
+    # request draws alike (engine/lockstep.py). Unlike a seed it pins no widths.
+    entropy: int = field(default_factory=fresh_entropy, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt:

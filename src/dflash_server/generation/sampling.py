@@ -101,6 +101,11 @@ def point_mass(drafts: mx.array, vocab: int) -> mx.array:
     return mx.where(mx.arange(vocab)[None] == drafts[:, None], 0.0, -mx.inf)
 
 
+def fresh_entropy() -> int:
+    """A seed for an unseeded request's draws, from the OS."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
 class TokenSampler:
     """Turns logits into tokens under ``SamplingParams``; all on device, no host syncs."""
 
@@ -109,7 +114,10 @@ class TokenSampler:
         params: SamplingParams,
         seed: int | None = None,
         sampler: Callable[[mx.array], mx.array] | None = None,
+        entropy: int | None = None,
     ):
+        """``entropy`` seeds an unseeded sampler's draws (None: fresh from the OS), without
+        making them a reproducible ``seed``'s."""
         self.params = params
         # A caller-supplied mlx-lm style sampler (logprobs -> tokens) is a black box: speculation
         # then samples target and draft with it and accepts on equal samples, which is exact too.
@@ -128,7 +136,7 @@ class TokenSampler:
             n,
         )
         if seed is None:
-            seed = int.from_bytes(os.urandom(4), "little")
+            seed = entropy if entropy is not None else fresh_entropy()
         self._key = mx.random.key(seed)
 
     def _next_key(self) -> mx.array:

@@ -97,7 +97,7 @@ class Generation:
         self.row = Row(
             target,
             draft,
-            TokenSampler(request.sampling, request.seed, request.sampler),
+            TokenSampler(request.sampling, request.seed, request.sampler, request.entropy),
             policy,
             prefill_step_size=prefill_step_size,
             profile=profile,
