@@ -112,8 +112,43 @@ class CalibrationCache:
     def fetch(self, kind: str, cls: type[T], measure: Callable[[], T], **params: Any) -> T:
         """The ``cls`` (a dataclass) cached for ``kind`` and ``params``, else ``measure()``'s
         result, then stored for the next start."""
+        value = self.cached(kind, cls, **params)
+        if value is None:
+            value = measure()
+            self.keep(kind, value, **params)
+        return value
+
+    def cached(self, kind: str, cls: type[T], **params: Any) -> T | None:
+        """The ``cls`` cached for ``kind`` and ``params``, or None (off, absent, unreadable)."""
         if self.folder is None:
-            return measure()
+            return None
+        key, path = self._key(kind, params)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") != key:  # another pair's or machine's file under this name
+                raise ValueError("its key does not match")
+            value = _decode(cls, data["value"])
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("ignoring calibration file %s (%s): measuring again", path, exc)
+            return None
+        log.info(
+            "%s costs from the calibration cache %s (to measure again: delete it, or "
+            "--calibration-cache off)",
+            kind,
+            path,
+        )
+        return value
+
+    def keep(self, kind: str, value: DataclassInstance, **params: Any) -> None:
+        """Store a measured ``value`` for the next start (nothing when off)."""
+        if self.folder is not None:
+            key, path = self._key(kind, params)
+            self._write(path, {"key": key, "value": asdict(value)})
+
+    def _key(self, kind: str, params: dict[str, Any]) -> tuple[dict[str, Any], Path]:
+        assert self.folder is not None
         key = {
             "format": FORMAT,
             "kind": kind,
@@ -122,26 +157,7 @@ class CalibrationCache:
             "machine": machine(),
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-        path = self.folder / f"{kind}-{digest[:24]}.json"
-        if path.exists():
-            try:
-                data = json.loads(path.read_text())
-                if data.get("key") != key:  # another pair's or machine's file under this name
-                    raise ValueError("its key does not match")
-                value = _decode(cls, data["value"])
-            except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-                log.warning("ignoring calibration file %s (%s): measuring again", path, exc)
-            else:
-                log.info(
-                    "%s costs from the calibration cache %s (to measure again: delete it, or "
-                    "--calibration-cache off)",
-                    kind,
-                    path,
-                )
-                return value
-        value = measure()
-        self._write(path, {"key": key, "value": asdict(value)})
-        return value
+        return key, self.folder / f"{kind}-{digest[:24]}.json"
 
     def _write(self, path: Path, data: dict[str, Any]) -> None:
         """Write ``path`` whole or not at all (a temporary file renamed over it): a reader, or a

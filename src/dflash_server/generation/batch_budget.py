@@ -82,12 +82,18 @@ def choose_widths(rows: list[Row], choices: list[Choice], costs: PassCosts) -> l
 
 
 def measure_pass_costs(
-    target: Any, draft: Any, *, context: int = 64, width: int = 16, budget_s: float = 8.0
+    target: Any,
+    draft: Any,
+    *,
+    context: int = 64,
+    width: int = 16,
+    budget_s: float = 8.0,
+    fixed: bool = False,
 ) -> PassCosts:
     """Time plain passes of 1, 2, 4, 8, 16 rows and speculative ones of 1, 2, 4, 8 rows x
     ``width`` (batched drafter pass + recorded verify) on ``context``-token rows; medians of
-    up to 3 runs after a warm-up, fewer once ``budget_s`` is spent. Runs MLX work: call it on
-    the thread that owns the models."""
+    up to 3 runs after a warm-up, fewer once ``budget_s`` is spent (``fixed``: always 3, as
+    ``measure_costs``). Runs MLX work: call it on the thread that owns the models."""
     from dflash_server.generation.batch_draft import propose_rows
     from dflash_server.generation.protocols import DraftRow
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
@@ -132,7 +138,7 @@ def measure_pass_costs(
 
         once()  # warm-up
         runs = [once()]
-        while len(runs) < 3 and time.perf_counter() - start < budget_s:
+        while len(runs) < 3 and (fixed or time.perf_counter() - start < budget_s):
             runs.append(once())
         return statistics.median(runs)
 

@@ -42,6 +42,7 @@ def measure_costs(
     budget_s: float = 3.0,
     calibrate: bool = True,
     widest: int = 0,
+    fixed: bool = False,
 ) -> CostModel:
     """Time plain decoding (``plain_steps`` pipelined steps, as the decoder runs them), recorded
     verifies of a few widths and the drafter pass, each after a warm-up, on a ``context``-token
@@ -53,7 +54,9 @@ def measure_costs(
 
     ``widest``: verify widths up to this one are measured too (suffix copies verify without a
     drafter pass and may be wider than its block), and calibrated as verify-only cycles;
-    ``draft=None`` measures plain steps and verify-only cycles alone.
+    ``draft=None`` measures plain steps and verify-only cycles alone. ``fixed``: repeat each
+    timing exactly 3 times, whatever it takes (ranks of a sharded target measure together, and
+    a count that followed each rank's own clock would desynchronise their collectives).
 
     Runs MLX work: call it on the thread that owns the models (the engine's worker).
     """
@@ -77,9 +80,9 @@ def measure_costs(
         """Median of ``run()``'s own timings (it times only what a cycle would pay)."""
         run()  # warm-up: kernels, allocations, compiled graphs
         runs: list[float] = []
-        while len(runs) < 3 or (len(runs) < 9 and sum(runs) < 0.1):
+        while len(runs) < 3 or (not fixed and len(runs) < 9 and sum(runs) < 0.1):
             runs.append(run())
-            if time.perf_counter() - start > budget_s and len(runs) >= 1:
+            if not fixed and time.perf_counter() - start > budget_s:
                 break
         return statistics.median(runs)
 

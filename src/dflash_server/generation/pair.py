@@ -68,6 +68,8 @@ class ModelPair:
     wired: WiredLimit
     prior: SharedPrior = field(default_factory=SharedPrior)
     measured: CostModel | None = None  # set by ``costs()``, or at load by the engine
+    # Ranks of a sharded target measure together: fixed repetition counts (``measure_costs``).
+    lockstep: bool = False
     suffix_index: SharedSuffixIndex = field(
         default_factory=lambda: SharedSuffixIndex(SUFFIX_INDEX_BYTES)
     )
@@ -107,5 +109,7 @@ class ModelPair:
         requests never wait for it), again when a verify up to ``widest`` positions (suffix
         copies) was not measured yet. Without a drafter: plain steps and verify-only cycles."""
         if self.measured is None or max(self.measured.verify) < widest:
-            self.measured = measure_costs(self.model, self.draft, widest=widest)
+            self.measured = measure_costs(
+                self.model, self.draft, widest=widest, fixed=self.lockstep
+            )
         return self.measured
