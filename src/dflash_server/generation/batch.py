@@ -131,11 +131,17 @@ class BatchDecoder:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def step(self) -> dict[Row, Outcome]:
+    def plan(self) -> dict[Row, Choice]:
+        """The running rows' next cycles, as ``step`` would choose them: what ranks that share
+        a sharded target are sent by the one that decides (engine/lockstep.py)."""
+        return dict(zip(self.rows, self._choices(self.rows))) if self.rows else {}
+
+    def step(self, plan: dict[Row, Choice] | None = None) -> dict[Row, Outcome]:
         """One round: every prefilling row advances a chunk (``PREFILL_CHUNK``) or gives its
         first token, the waiting short prompts are prefilled together, then one pass over the
-        rows that were running. Returns each row's commit, or the error that ended it (that
-        row has left); a row whose commit finishes has left too."""
+        rows that were running (each row's cycle from ``plan`` when given). Returns each row's
+        commit, or the error that ended it (that row has left); a row whose commit finishes
+        has left too."""
         out = self.alone.step()
         running = list(self.rows)
         for row, steps in list(self.prefilling.items()):
@@ -154,7 +160,7 @@ class BatchDecoder:
         if self.waiting:
             out |= self._prefill_waiting()
         if running:
-            out |= self._pass(running)
+            out |= self._pass(running, plan)
         for row in self._joining:  # after the pass: the cache holds the running rows only
             self._enter(row)
         self._joining.clear()
@@ -196,9 +202,9 @@ class BatchDecoder:
             return dict.fromkeys(group, exc)
         return {row: self._started(row, cycle) for row, cycle in zip(group, cycles)}
 
-    def _pass(self, rows: list[Row]) -> dict[Row, Outcome]:
+    def _pass(self, rows: list[Row], plan: dict[Row, Choice] | None) -> dict[Row, Outcome]:
         try:
-            commits = self._verify(rows)
+            commits = self._verify(rows, plan)
         except Exception as exc:  # every row of the pass ends with it; the batch goes on
             for row in rows:
                 self._end(row)
@@ -225,11 +231,11 @@ class BatchDecoder:
                 widths = [w - 1 if w == top and f else w for w, f in zip(widths, free)]
         return [c.narrow(w) for c, w in zip(choices, widths)]
 
-    def _verify(self, rows: list[Row]) -> dict[Row, Commit]:
+    def _verify(self, rows: list[Row], plan: dict[Row, Choice] | None) -> dict[Row, Commit]:
         """One pass: draft, verify every row in one forward, score and commit each row, then
         roll each row back to its own kept prefix."""
         assert self.cache is not None
-        choices = self._choices(rows)
+        choices = self._choices(rows) if plan is None else [plan[row] for row in rows]
         width = max(c.size for c in choices)
         with mx.stream(generation_stream):
             histories = [row.history() for row in rows]
