@@ -223,12 +223,18 @@ class PrefixDisk:
         self._queue.put(None)
         self._writer.join(timeout)
 
+    def flush(self) -> None:
+        """Wait until every queued snapshot is written and indexed."""
+        self._queue.join()
+
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
                 self._write(*item)
             except Exception:
                 log.exception("prefix cache: writing a snapshot failed")
+            finally:
+                self._queue.task_done()
 
     def _write(self, kind: tuple, snapshot: PromptSnapshot) -> None:
         arrays: dict[str, mx.array] = {}
