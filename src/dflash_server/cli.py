@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from dflash_server.engine.blas import blas_hint
+from dflash_server.engine.distributed import world
 from dflash_server.engine.loader import (
     TARGET_PATTERNS,
     ModelLoadError,
@@ -239,10 +240,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 2
-    if (problem := listen_error(settings.host, settings.port)) is not None:
+    group = world()  # launched by mlx.launch over several processes: rank 0 serves HTTP
+    rank = 0 if group is None else group.rank()
+    if rank == 0 and (problem := listen_error(settings.host, settings.port)) is not None:
         print(f"dflash-serve: error: {problem}", file=sys.stderr)
         return 1
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:  %(message)s")
+    who = "" if group is None else f"rank {rank}: "
+    logging.basicConfig(
+        level=settings.log_level.upper(), format=f"%(levelname)s:  {who}%(message)s"
+    )
     try:
         # Download before the server starts: progress bars go to the console and a bad id
         # fails here, in one line, instead of inside a running server.
@@ -251,11 +257,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelLoadError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 1
-    return serve(settings, str(target_path), draft_path)
+    if group is not None:
+        from dflash_server.api import ranks
+
+        if (problem := ranks.refusal(settings, group, str(target_path), draft_path)) is not None:
+            print(f"dflash-serve: error: {who}{problem}", file=sys.stderr)
+            return 2
+        if rank > 0:
+            return ranks.follow(settings, str(target_path), draft_path, group)
+    return serve(settings, str(target_path), draft_path, group)
 
 
-def serve(settings: Settings, target_path: str, draft_path: str | None) -> int:
-    """Run uvicorn until shutdown; the engine loads the models on its worker meanwhile."""
+def serve(settings: Settings, target_path: str, draft_path: str | None, group: Any = None) -> int:
+    """Run uvicorn until shutdown; the engine loads the models on its worker meanwhile (rank 0
+    of ``group``, when the target is sharded over several machines)."""
     import uvicorn
 
     from dflash_server.api.app import build_engine, create_app
@@ -279,6 +294,7 @@ def serve(settings: Settings, target_path: str, draft_path: str | None) -> int:
         draft_path=draft_path,
         on_fatal=on_fatal,
         metrics=metrics,
+        group=group,
     )
     app = create_app(settings, engine, metrics)
     config = uvicorn.Config(
@@ -291,7 +307,8 @@ def serve(settings: Settings, target_path: str, draft_path: str | None) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_timeout) + 10,
     )
     server = GracefulServer(config, engine, settings.shutdown_timeout)
-    log.info("loading %s + %s", settings.target, settings.drafter or "no drafter")
+    sharded = "" if group is None else f", the target sharded over {group.size()} ranks"
+    log.info("loading %s + %s%s", settings.target, settings.drafter or "no drafter", sharded)
     # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
@@ -303,6 +320,9 @@ def serve(settings: Settings, target_path: str, draft_path: str | None) -> int:
         os._exit(130)
     if failure:
         print(f"dflash-serve: error: {failure[0]}", file=sys.stderr)
+        if engine.stuck:  # inside a collective with a lost rank: finalizing would wait for it
+            logging.shutdown()
+            os._exit(1)
         return 1
     return 0
 

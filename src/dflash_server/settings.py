@@ -220,6 +220,12 @@ class Settings(BaseSettings, _SamplingDefaults):
         "restart skips measuring (default: ~/.cache/dflash-server/calibration, or under "
         "$XDG_CACHE_HOME; 'off': measure at every start)",
     )
+    rank_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="with the target sharded over several machines (mlx.launch): seconds a round "
+        "may take before a rank counts as lost (requests get 503, the server exits)",
+    )
 
     # Generation defaults, used when a request leaves the field out
     block_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(

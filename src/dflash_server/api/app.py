@@ -6,6 +6,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -17,31 +19,27 @@ from dflash_server.api.metrics import router as metrics_router
 from dflash_server.api.openai_responses import ResponseStore
 from dflash_server.api.routes import public, router
 from dflash_server.api.web import web
+from dflash_server.engine.distributed import Channel
 from dflash_server.engine.loader import LoadedModels, describe, load_models
+from dflash_server.engine.lockstep import Leader
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
-from dflash_server.engine.worker import Engine, GenerateFn
+from dflash_server.engine.worker import Engine, GenerateFn, LoaderFn
 from dflash_server.settings import Settings
 
 log = logging.getLogger("dflash_server")
 
 
-def build_engine(
+def build_loader(
     settings: Settings,
+    prefix_cache: PrefixCache | None,
     *,
     target_path: str | None = None,
     draft_path: str | None = None,
-    on_fatal: Callable[[str], None] | None = None,
-    generate: GenerateFn | None = None,
-    metrics: Metrics | None = None,
-) -> Engine:
-    """An engine that loads the configured models on its worker thread and logs what it got.
-
-    ``target_path``/``draft_path`` are already-downloaded folders (the CLI fetches first);
-    ``generate`` replaces ``stream_generate``, for tests; ``metrics`` hears of every batched pass.
-    """
-
-    prefix_cache = PrefixCache(settings.prefix_cache_budget) if settings.prefix_cache else None
+    group: Any = None,
+) -> LoaderFn:
+    """What the engine's worker runs first: load the configured models (tensor-sharded over
+    ``group``'s ranks when given), log what it got, add the prefix cache's disk tier."""
 
     def loader() -> LoadedModels:
         models = load_models(
@@ -54,6 +52,7 @@ def build_engine(
             suffix_tokens=settings.suffix_tokens,
             suffix_cache_bytes=settings.suffix_cache_bytes,
             calibration_cache=settings.calibration_folder,
+            group=group,
         )
         for line in describe(models.summary).splitlines():
             log.info("%s", line)
@@ -67,17 +66,52 @@ def build_engine(
             log.info("prefix cache: off")
         else:
             if settings.prefix_cache_dir:
-                folder, budget = settings.prefix_cache_dir, settings.prefix_cache_disk_bytes
+                folder = Path(settings.prefix_cache_dir).expanduser()
+                if group is not None:  # each rank keeps its own shard's entries
+                    folder = folder / f"rank{group.rank()}-of-{group.size()}"
+                budget = settings.prefix_cache_disk_bytes
                 prefix_cache.add_disk(PrefixDisk(folder, budget, models.summary.fingerprint))
             log.info("prefix cache: %s", prefix_cache.describe())
         return models
+
+    return loader
+
+
+def prefix_cache_of(settings: Settings) -> PrefixCache | None:
+    return PrefixCache(settings.prefix_cache_budget) if settings.prefix_cache else None
+
+
+def build_engine(
+    settings: Settings,
+    *,
+    target_path: str | None = None,
+    draft_path: str | None = None,
+    on_fatal: Callable[[str], None] | None = None,
+    generate: GenerateFn | None = None,
+    metrics: Metrics | None = None,
+    group: Any = None,
+) -> Engine:
+    """An engine that loads the configured models on its worker thread and logs what it got.
+
+    ``target_path``/``draft_path`` are already-downloaded folders (the CLI fetches first);
+    ``generate`` replaces ``stream_generate``, for tests; ``metrics`` hears of every batched pass.
+    ``group``: the MLX distributed group this is rank 0 of; the other ranks follow its rounds
+    (``api/ranks.py``).
+    """
+    prefix_cache = prefix_cache_of(settings)
+    loader = build_loader(
+        settings, prefix_cache, target_path=target_path, draft_path=draft_path, group=group
+    )
 
     def ready() -> None:  # the engine calls it once /health says 200, not before
         log.info(
             "ready: serving %r at http://%s:%d/v1", settings.model_id, settings.host, settings.port
         )
 
-    return Engine(
+    leader = None
+    if group is not None:
+        leader = Leader(Channel(group), settings.rank_timeout, lambda why: engine.abort(why))
+    engine = Engine(
         loader,
         max_queue=settings.max_queue,
         max_active=settings.max_active,
@@ -89,7 +123,9 @@ def build_engine(
         on_ready=ready,
         prefix_cache=prefix_cache,
         on_pass=metrics.observe_pass if metrics is not None else None,
+        lockstep=leader,
     )
+    return engine
 
 
 def create_app(

@@ -246,6 +246,16 @@ class _EngineGauges(Collector):
             "dflash_queue_depth", "requests waiting for an active slot", waiting
         )
         yield GaugeMetricFamily("dflash_active_requests", "requests generating now", engine.active)
+        if ranks := engine.rank_memory:  # the target sharded over several machines
+            memory = GaugeMetricFamily(
+                "dflash_rank_memory_bytes",
+                "MLX memory of each rank (active and peak bytes) as of the last round",
+                labels=["rank", "kind"],
+            )
+            for rank, (active, peak) in enumerate(ranks):
+                memory.add_metric([str(rank), "active"], active)
+                memory.add_metric([str(rank), "peak"], peak)
+            yield memory
         cache = engine.prefix_cache
         if cache is None:
             return

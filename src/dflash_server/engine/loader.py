@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 
 from dflash_server.engine.calibration import CalibrationCache
+from dflash_server.engine.distributed import AgreedCalibration
 from dflash_server.generation.costs import CostModel
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.suffix import SharedSuffixIndex
@@ -168,6 +169,7 @@ def load_models(
     suffix_tokens: int = 0,
     suffix_cache_bytes: int | None = None,
     calibration_cache: str | Path | None = None,
+    group: Any = None,
 ) -> LoadedModels:
     """Load target (+ drafter, bound to it). Runs on the engine's worker thread: it is MLX work.
 
@@ -179,14 +181,18 @@ def load_models(
     ``suffix_tokens``: suffix copies of up to so many tokens will run (their verify widths are
     measured too, with no drafter as well); ``suffix_cache_bytes``: their shared index's budget;
     ``calibration_cache``: the folder where measured costs are kept for the next load (None:
-    measure every time).
+    measure every time). ``group``: the MLX distributed group to tensor-shard the target over
+    (the drafter is replicated); every rank calls this together.
     """
     target_label, draft_label = target_label or target, draft_label or draft
     target_path = resolve_model(target, "target", TARGET_PATTERNS)
     try:
-        model, tokenizer = load(str(target_path))
+        model, tokenizer = load(str(target_path), group)
     except Exception as exc:  # mlx-lm raises many types; the user needs the first line
-        raise ModelLoadError(f"cannot load target {target_label!r}: {_first_line(exc)}") from exc
+        how = f" sharded over {group.size()} ranks" if group is not None else ""
+        raise ModelLoadError(
+            f"cannot load target {target_label!r}{how}: {_first_line(exc)}"
+        ) from exc
     target_cfg = _read_config(target_path)
     drafter: Any = None
     draft_cfg: dict[str, Any] = {}
@@ -214,7 +220,7 @@ def load_models(
         target_quantization=_quant(target_cfg),
         vocab_size=_vocab_size(target_cfg),
         context_length=min(context_length, model_ctx) if context_length else model_ctx,
-        fingerprint=_fingerprint(target_path, draft_path),
+        fingerprint=_fingerprint(target_path, draft_path, group),
         suffix_drafts=bool(suffix_tokens),
         mtp_available=drafter is None and has_mtp(target_path),
     )
@@ -230,6 +236,9 @@ def load_models(
         summary.target_layer_ids = list(drafter.config.target_layer_ids)
         summary.draft_window = drafter.set_window(draft_window)
     calibration = CalibrationCache(calibration_cache, summary.fingerprint)
+    if group is not None:  # the ranks measure together: fixed counts, all cached or none
+        calibration = AgreedCalibration(group, calibration_cache, summary.fingerprint)
+        pair.lockstep = True
     if measure and (drafter is not None or suffix_tokens):  # without either, nothing to choose
         widest = suffix_tokens + 1 if suffix_tokens else 0
         measured = calibration.fetch("cycle", CostModel, partial(pair.costs, widest), widest=widest)
@@ -241,12 +250,15 @@ def load_models(
     return LoadedModels(pair, summary, calibration)
 
 
-def _fingerprint(target: Path, draft: Path | None) -> str:
+def _fingerprint(target: Path, draft: Path | None, group: Any = None) -> str:
     """What identifies the loaded pair's state: both configs and weight files (name, size,
-    mtime), so a changed or swapped model never reuses a prefix cache entry on disk."""
+    mtime), so a changed or swapped model never reuses a prefix cache entry on disk; sharded,
+    the rank and the number of ranks too (a rank's state is its shard's)."""
     import hashlib
 
     h = hashlib.sha256()
+    if group is not None:
+        h.update(f"rank {group.rank()} of {group.size()}".encode())
     for folder in (target, draft):
         if folder is None:
             h.update(b"no drafter")

@@ -8,7 +8,9 @@ prompt chunk per round). The engine owns the round: admit, drop cancelled reques
 ``step`` of the rows, then each commit becomes its request's text events. Outputs are those of
 a lone run either way, and a short request finishes while a long one is still running.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
-event loop and stops at the next round.
+event loop and stops at the next round. With the target sharded over several machines, a
+``lockstep`` (``engine/lockstep.py``) sends each round's decisions to the other ranks before
+the step, and a lost rank ends every request with a 503 (``abort``).
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import mlx.core as mx
 
 from dflash_server.chat.logprobs import TokenTexts
+from dflash_server.engine.distributed import RankLost
 from dflash_server.engine.jobs import EngineNotReady, Event, Failed, Job, QueueFull
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.runs import DONE, Run
-from dflash_server.generation.batch import BatchDecoder
+from dflash_server.generation.batch import BatchDecoder, Outcome
 from dflash_server.generation.request import GenerationRequest
 from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
@@ -42,6 +46,24 @@ BATCHING = ("interleave", "batched")
 # round (the first: the prefill's); it replaces the rows.
 GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator[GenerationResponse]]
 LoaderFn = Callable[[], LoadedModels]
+
+
+class Lockstep(Protocol):
+    """Other ranks that run this engine's rounds (``engine/lockstep.py``'s ``Leader``): told of
+    each row that starts or is dropped, it sends the round's decisions and steps the batch."""
+
+    heartbeat_s: float  # an idle engine still runs a round this often
+
+    @property
+    def memory(self) -> list[tuple[int, int]]: ...  # (active, peak) bytes per rank
+
+    def added(self, row: Row, request: GenerationRequest) -> None: ...
+
+    def removed(self, row: Row) -> None: ...
+
+    def step(self, batch: BatchDecoder) -> dict[Row, Outcome]: ...
+
+    def close(self) -> None: ...
 
 
 class Engine:
@@ -61,9 +83,13 @@ class Engine:
         batching: str = "batched",
         max_verify: int | None = None,
         on_pass: Callable[[int, int], None] | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        if lockstep is not None and (batching != "batched" or generate is not None):
+            raise ValueError("ranks run in lockstep only with batching='batched'")
+        self.lockstep = lockstep
         self.batching, self.max_verify = batching, max_verify
         self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
         self.rows: BatchDecoder | LoneRows = LoneRows()  # what each round steps
@@ -87,6 +113,7 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._draining = False
+        self._aborted = False
         self._ready = threading.Event()
         self._mean_job_s = 5.0  # running estimate for Retry-After
         self._token_texts: TokenTexts | None = None  # token names for logprobs, cached
@@ -118,8 +145,29 @@ class Engine:
             job.cancel()
             job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
         worker = self._thread
-        if worker.is_alive() and not self.loading and worker is not threading.current_thread():
+        current = worker is threading.current_thread()
+        if worker.is_alive() and not self.loading and not current and not self._aborted:
             worker.join(timeout)
+            if worker.is_alive() and self.lockstep is not None:  # in a collective with a lost rank
+                self.abort(SHUTDOWN, "server_shutdown")
+
+    def abort(self, message: str, code: str = "rank_lost") -> None:
+        """End everything now with a 503 (another rank was lost, or is stuck at shutdown):
+        waiting and running requests get their final event, new ones are refused, then
+        ``on_fatal`` runs. Safe from any thread: the worker may be stuck inside MLX, so nothing
+        here waits for it."""
+        with self._cond:
+            if self._aborted:
+                return
+            self._aborted = self._stopping = True
+            jobs = [*self._pending, *(run.job for run in self._active)]
+            self._pending.clear()
+            self._active.clear()
+            self._cond.notify_all()
+        log.error("%s", message)
+        for job in jobs:
+            job.emit(Failed(message, 503, code))
+        self._fail(message)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until loading ended (either way); True when ready."""
@@ -132,6 +180,11 @@ class Engine:
         return self.state == "loading" and self._thread.is_alive()
 
     @property
+    def stuck(self) -> bool:
+        """The worker outlived an abort: stuck inside MLX (a collective with a lost rank)."""
+        return self._aborted and self._thread.is_alive()
+
+    @property
     def queue_depth(self) -> int:
         """Requests waiting plus the ones generating."""
         with self._cond:
@@ -141,6 +194,11 @@ class Engine:
     def active(self) -> int:
         with self._cond:
             return len(self._active)
+
+    @property
+    def rank_memory(self) -> list[tuple[int, int]]:
+        """Each rank's (active, peak) MLX memory in bytes as of the last round (none alone)."""
+        return list(self.lockstep.memory) if self.lockstep is not None else []
 
     @property
     def active_rows(self) -> int:
@@ -179,7 +237,7 @@ class Engine:
             self._fail(f"model loading failed: {exc}")
             return
         if self.batching == "batched":
-            self._make_batch()
+            self.batch = self.rows = make_batch(self.models, self.max_verify)
         if self._auto_active:
             supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
             self.max_active = max(4, supported)
@@ -192,6 +250,10 @@ class Engine:
             with self.models.pair.wired.held():  # for the engine's lifetime
                 while self._round():
                     pass
+            if self.lockstep is not None and not self._aborted:
+                self.lockstep.close()  # the other ranks exit with this one
+        except RankLost as exc:
+            self.abort(str(exc))
         finally:
             for run in list(self._active):  # shutdown: every open stream gets a final event
                 run.job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
@@ -199,28 +261,14 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.close()
 
-    def _make_batch(self) -> None:
-        """The batch of this pair; with the cycle costs measured at load, its pass costs too
-        (from the calibration cache when this pair was measured on this machine before)."""
-        from functools import partial
-
-        from dflash_server.generation.batch_budget import PassCosts, measure_pass_costs
-
-        assert self.models is not None
-        pair = self.models.pair
-        costs = None
-        if pair.draft is not None and pair.measured is not None:
-            measure = partial(measure_pass_costs, pair.target, pair.draft)
-            costs = self.models.calibration.fetch("batch", PassCosts, measure)
-            log.info("%s", costs.describe())
-        self.batch = self.rows = BatchDecoder(pair.target, self.max_verify, costs)
-
     def _round(self) -> bool:
         """Admit waiting jobs up to ``max_active``, drop cancelled ones, then one step of the
         rows (and of each test double's generator); each outcome goes to its request."""
+        heartbeat = self.lockstep.heartbeat_s if self.lockstep is not None else None
         with self._cond:
             while not self._pending and not self._active and not self._stopping:
-                self._cond.wait()
+                if not self._cond.wait(heartbeat) and heartbeat is not None:
+                    break  # idle: the round still runs, so the other ranks hear from this one
             if self._stopping:
                 return False
             admitted: list[Job] = []
@@ -239,14 +287,20 @@ class Engine:
                 self._end(run, Failed("request cancelled"))
             elif run.gen is not None:
                 self._end(run, run.step())
-        if self.rows.busy:
+        if self.lockstep is not None or self.rows.busy:
             passes = self.batch.passes if self.batch is not None else 0
-            for row, outcome in self.rows.step().items():
+            for row, outcome in self._step().items():
                 run = self._by_row[row]
                 self._end(run, run.feed(outcome))
             if self.on_pass is not None and self.batch is not None and self.batch.passes > passes:
                 self.on_pass(*self.batch.last_pass)
         return True
+
+    def _step(self) -> dict[Row, Outcome]:
+        if self.lockstep is not None:
+            assert self.batch is not None
+            return self.lockstep.step(self.batch)  # the round's decisions go to every rank
+        return self.rows.step()
 
     def _end(self, run: Run, final: Event | None) -> None:
         """Once a run has its final event: free its slot, then tell the client (its next
@@ -289,6 +343,8 @@ class Engine:
             request = job.request
             self.rows.add(generation.row, generation.prompt, request.max_tokens,
                           generation.eos_ids)  # fmt: skip
+            if self.lockstep is not None:
+                self.lockstep.added(generation.row, request)
         except Exception as exc:
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {exc}"))
@@ -305,6 +361,8 @@ class Engine:
         try:
             if run.generation is not None:
                 self._by_row.pop(run.generation.row, None)
+                if self.lockstep is not None:
+                    self.lockstep.removed(run.generation.row)
                 self.rows.remove(run.generation.row)
             close = getattr(run.gen, "close", None)  # a generator's: frees its caches now
             if close is not None:
@@ -313,3 +371,19 @@ class Engine:
             log.exception("closing a generation failed")
         elapsed = time.monotonic() - (run.job.started or run.job.created)
         self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed
+
+
+def make_batch(models: LoadedModels, max_verify: int | None) -> BatchDecoder:
+    """The batch of the loaded pair; with the cycle costs measured at load, its pass costs too
+    (from the calibration cache when this pair was measured on this machine before)."""
+    from functools import partial
+
+    from dflash_server.generation.batch_budget import PassCosts, measure_pass_costs
+
+    pair = models.pair
+    costs = None
+    if pair.draft is not None and pair.measured is not None:
+        measure = partial(measure_pass_costs, pair.target, pair.draft, fixed=pair.lockstep)
+        costs = models.calibration.fetch("batch", PassCosts, measure)
+        log.info("%s", costs.describe())
+    return BatchDecoder(pair.target, max_verify, costs)

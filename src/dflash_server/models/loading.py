@@ -53,11 +53,20 @@ def flat_arrays(tree: Any) -> list[tuple[str, mx.array]]:
     return cast("list[tuple[str, mx.array]]", tree_flatten(tree))
 
 
-def load(path_or_repo: str | Path, **kwargs: Any) -> tuple[nn.Module, TokenizerWrapper]:
-    """Load a target model and its tokenizer with mlx-lm (any architecture mlx-lm supports)."""
-    from mlx_lm import load as mlx_lm_load
+def load(
+    path_or_repo: str | Path, group: Any = None, **kwargs: Any
+) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load a target model and its tokenizer with mlx-lm (any architecture mlx-lm supports);
+    with an MLX distributed ``group``, tensor-sharded over its ranks (mlx-lm's ``Model.shard``:
+    each rank keeps only its slice of every sharded layer)."""
+    if group is not None:
+        from mlx_lm.utils import sharded_load
 
-    model, tokenizer = mlx_lm_load(str(path_or_repo), **kwargs)[:2]
+        model, tokenizer = sharded_load(str(path_or_repo), tensor_group=group, **kwargs)
+    else:
+        from mlx_lm import load as mlx_lm_load
+
+        model, tokenizer = mlx_lm_load(str(path_or_repo), **kwargs)[:2]
     # The context limit is the model config's (and the server's --context-length); the
     # tokenizer's own limit only warns of "indexing errors" that cannot happen here.
     tokenizer.model_max_length = NO_LIMIT
