@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+OFFLINE = {"HF_HUB_OFFLINE": "1"}  # subprocesses never touch the network either
 
 
 def build_draft(path: Path, target_path: Path, *, block_size: int = 8, seed: int = 1) -> Path:
@@ -289,20 +292,20 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-class ServeProcess:
-    """``dflash-serve ARGS`` in a subprocess (loading slowed by ``slow`` seconds), its output
-    (stdout and stderr) read line by line as it comes. No calibration cache: the (slowed)
-    measurements run at every start, and nothing is written."""
+class OutputProcess:
+    """A subprocess whose output (stdout and stderr) is read line by line as it comes;
+    ``session``: in a process group of its own (its children too: ``kill`` ends them all)."""
 
-    def __init__(self, args: list[str], slow: float = 0.0) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    def __init__(self, command: list[str], env: dict[str, str], session: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SLOW_LOAD, str(slow), *args, "--calibration-cache", "off"],
+            command,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=session,
         )
+        self.session = session
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -326,17 +329,33 @@ class ServeProcess:
         """Send ``sig``; (exit status, seconds until the process ended)."""
         start = time.monotonic()
         self.proc.send_signal(sig)
+        code = self.finish(timeout)
+        return code, time.monotonic() - start
+
+    def finish(self, timeout: float = 60) -> int:
+        """Wait for the process to end; its exit status (all its output is in ``lines``)."""
         code = self.proc.wait(timeout)
-        seconds = time.monotonic() - start
         while (line := self._queue.get(timeout=10)) is not None:
             self.lines.append(line)
-        return code, seconds
+        return code
 
     @property
     def output(self) -> str:
         return "\n".join(self.lines)
 
     def kill(self) -> None:
+        if self.session:  # the group this process leads: what it started goes too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+        self.proc.wait()
+
+
+class ServeProcess(OutputProcess):
+    """``dflash-serve ARGS`` in a subprocess (loading slowed by ``slow`` seconds). No
+    calibration cache: the (slowed) measurements run at every start, and nothing is written."""
+
+    def __init__(self, args: list[str], slow: float = 0.0) -> None:
+        command = [sys.executable, "-c", SLOW_LOAD, str(slow), *args]
+        super().__init__([*command, "--calibration-cache", "off"], {**os.environ, **OFFLINE})
