@@ -53,6 +53,34 @@ def flat_arrays(tree: Any) -> list[tuple[str, mx.array]]:
     return cast("list[tuple[str, mx.array]]", tree_flatten(tree))
 
 
+# What mlx-lm's ``Model.shard`` splits evenly over the ranks (Qwen3.5 and other families).
+_SPLIT = (
+    "num_attention_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+
+
+def shard_problem(config: dict[str, Any], ranks: int) -> str | None:
+    """Why a model with this ``config.json`` cannot be tensor-sharded over ``ranks``, or None.
+    KV heads may also be fewer than the ranks (mlx-lm repeats them) if they divide it; an
+    untied LM head is split by vocabulary."""
+    text = config.get("text_config") or config
+    counts = {name: text[name] for name in _SPLIT if isinstance(text.get(name), int)}
+    if not text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
+        counts["vocab_size"] = text.get("vocab_size", 0)
+    for name, count in counts.items():
+        if count % ranks:
+            return f"its {name} ({count}) does not split over {ranks} ranks"
+    kv = text.get("num_key_value_heads")
+    if isinstance(kv, int) and kv % ranks and ranks % kv:
+        return f"its num_key_value_heads ({kv}) neither divides nor is divided by {ranks} ranks"
+    return None
+
+
 def load(
     path_or_repo: str | Path, group: Any = None, **kwargs: Any
 ) -> tuple[nn.Module, TokenizerWrapper]:
@@ -61,6 +89,10 @@ def load(
     each rank keeps only its slice of every sharded layer)."""
     if group is not None:
         from mlx_lm.utils import sharded_load
+
+        config = json.loads((Path(path_or_repo) / "config.json").read_text())
+        if (problem := shard_problem(config, group.size())) is not None:
+            raise ValueError(f"{problem}: launch a number of ranks that splits it")
 
         model, tokenizer = sharded_load(str(path_or_repo), tensor_group=group, **kwargs)
     else:
