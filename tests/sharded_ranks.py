@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.utils import sharded_load
 
@@ -32,6 +33,7 @@ from dflash_server.engine.worker import Engine, make_batch
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.sampling import SamplingParams
+from dflash_server.generation.target import TargetModel
 from dflash_server.testing import ReplayDrafter
 from test_sampling import exact_law  # the script's folder is first on sys.path
 
@@ -48,6 +50,21 @@ def oracle(model: Any, prompt: list[int], n: int) -> list[int]:
     # other stream issues its own, or the ranks would pair them differently.
     mx.synchronize(generation_stream)
     return tokens
+
+
+def taps(sharded: Any, target: str, group: Any, prompt: list[int], ids: tuple) -> dict:
+    """The tapped layers' outputs on the sharded model: the same on every rank (each layer
+    ends in a sharded-to-all sum, so the drafter needs no gather) and the whole model's to
+    float tolerance."""
+    tokens = mx.array(prompt)[None]
+    mine = TargetModel(sharded, ids).forward(tokens, None)[1]
+    both = mx.distributed.all_gather(mine.reshape(1, -1), group=group, stream=generation_stream)
+    single = TargetModel(mlx_lm.load(target)[0], ids).forward(tokens, None)[1]
+    assert mine is not None and single is not None
+    return {
+        "ranks_equal": mx.array_equal(both[0], both[1]).item(),
+        "vs_single": mx.abs(mine - single).max().item(),
+    }
 
 
 def load(group: Any, target: str, draft: str, reference: list[int]) -> LoadedModels:
@@ -117,9 +134,10 @@ def main(out: str, target: str, draft: str) -> None:
     want |= {f"batched+{k}": path[k : k + N] for k in STARTS}
     law = exact_law(sharded, prompt, LAW)
     models = load(group, target, draft, prompt + path)
+    tapped = taps(sharded, target, group, prompt, models.pair.target.tap_ids)
     cache = PrefixCache(64 * 2**20)
     if group.rank() > 0:
-        follower = Follower(models, make_batch(models, None), Channel(group), timeout_s=60,
+        follower = Follower(models.pair, make_batch(models, None), Channel(group), timeout_s=60,
                             on_hang=print, prefill_step_size=512, prefix_cache=cache)  # fmt: skip
         follower.run()
         Path(f"{out}.rank{group.rank()}").write_text("followed to the end")
@@ -139,6 +157,7 @@ def main(out: str, target: str, draft: str) -> None:
         "got": got,
         "want": {k: [texts(t)[1] for t in v] for k, v in want.items()},
         "law": {json.dumps([texts(t)[1] for t in k]): p for k, p in law.items()},
+        "taps": tapped,
         "rounds": leader.channel.rounds,
         "message_bytes": leader.channel.bytes,
     }

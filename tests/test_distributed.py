@@ -89,6 +89,12 @@ def test_greedy_output_equals_the_sharded_oracle(engine_run: dict) -> None:
 
 
 @pytest.mark.slow
+def test_tapped_layers_are_whole_on_every_rank(engine_run: dict) -> None:
+    assert engine_run["taps"]["ranks_equal"]
+    assert engine_run["taps"]["vs_single"] < 1e-4
+
+
+@pytest.mark.slow
 def test_sampled_output_follows_the_sharded_target_law(engine_run: dict) -> None:
     from test_sampling import total_variation, tv_tolerance
 

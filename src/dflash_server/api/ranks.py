@@ -83,7 +83,7 @@ def follow(settings: Settings, target_path: str, draft_path: str | None, group: 
         log.error("%s", exc)
         return 1
     follower = Follower(
-        models,
+        models.pair,
         make_batch(models, settings.max_verify),
         Channel(group),
         timeout_s=settings.rank_timeout,
@@ -97,6 +97,9 @@ def follow(settings: Settings, target_path: str, draft_path: str | None, group: 
             follower.run()
     except RankLost as exc:
         log.error("%s", exc)
+        return 1
+    except Exception:  # a round that failed here cannot be skipped: the ranks would diverge
+        log.exception("following rank 0 failed: restart every rank")
         return 1
     finally:
         if prefix_cache is not None:

@@ -32,7 +32,7 @@ from dflash_server.generation.row import Row
 from dflash_server.generation.stream import Generation
 
 if TYPE_CHECKING:
-    from dflash_server.engine.loader import LoadedModels
+    from dflash_server.generation.pair import ModelPair
     from dflash_server.generation.prefix import PromptSnapshot
 
 log = logging.getLogger("dflash_server")
@@ -142,7 +142,8 @@ class Leader:
 
     def close(self) -> None:
         """Tell every rank to exit (rank 0 is shutting down)."""
-        self.channel.exchange(Round(stop=True).encode())
+        with self.watchdog.round():
+            self.channel.exchange(Round(stop=True).encode())
 
 
 class Follower:
@@ -152,7 +153,7 @@ class Follower:
 
     def __init__(
         self,
-        models: LoadedModels,
+        pair: ModelPair,
         batch: BatchDecoder,
         channel: Channel,
         *,
@@ -161,7 +162,7 @@ class Follower:
         prefill_step_size: int,
         prefix_cache: PrefixCache | None,
     ) -> None:
-        self.models, self.batch, self.channel = models, batch, channel
+        self.pair, self.batch, self.channel = pair, batch, channel
         self.watchdog = Watchdog(timeout_s, on_hang)
         self.prefill_step_size, self.prefix_cache = prefill_step_size, prefix_cache
         self.rows: dict[int, Row] = {}
@@ -197,9 +198,8 @@ class Follower:
         if self.prefix_cache is not None:
             store = AgreedPrefix(self.prefix_cache, event.restored, self.channel.rank)
         generation = Generation(
-            self.models.pair, event.request, prefill_step_size=self.prefill_step_size,
-            prefix=store,
-        )  # fmt: skip
+            self.pair, event.request, prefill_step_size=self.prefill_step_size, prefix=store
+        )
         row = generation.row
         self.batch.add(row, generation.prompt, event.request.max_tokens, generation.eos_ids)
         row.prefix_hit()  # where rank 0 looked: before anything else changes the cache

@@ -254,6 +254,12 @@ class Engine:
                 self.lockstep.close()  # the other ranks exit with this one
         except RankLost as exc:
             self.abort(str(exc))
+        except Exception as exc:
+            if self.lockstep is None:
+                raise
+            # The other ranks cannot skip a round that failed here: stop them all, loudly.
+            log.exception("the engine's round failed")
+            self.abort(f"the engine's round failed ({exc}): restart every rank")
         finally:
             for run in list(self._active):  # shutdown: every open stream gets a final event
                 run.job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
