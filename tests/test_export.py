@@ -184,3 +184,33 @@ def test_mtp_and_no_drafter_export(capsys: pytest.CaptureFixture[str]) -> None:
     for engine in ("vllm", "sglang"):
         argv, _ = run(capsys, engine, "--target", "Qwen/Qwen3.5-4B")
         assert not any(a.startswith("--speculative") for a in argv), argv
+
+
+def test_mlx_launch_over_several_macs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``export mlx``: mlx.launch, '--' (its --hosts would swallow --host), then dflash-serve
+    with the same settings on every Mac."""
+    argv, notes = run(capsys, "mlx", "--hosts", "10.0.0.1,10.0.0.2", "--config", "qwen3.5-9b",
+                      "--host", "0.0.0.0", "--port", "9000")  # fmt: skip
+    assert argv == ["mlx.launch", "--hosts", "10.0.0.1,10.0.0.2", "--backend", "ring", "--",
+                    "dflash-serve", "--config", "qwen3.5-9b", "--host", "0.0.0.0", "--port",
+                    "9000"]  # fmt: skip
+    assert "rank 0" in notes
+    argv, notes = run(capsys, "mlx", "--hostfile", "hosts.json", "--backend", "jaccl")
+    assert argv[:5] == ["mlx.launch", "--hostfile", "hosts.json", "--backend", "jaccl"]
+    assert "only clients on the first Mac reach it" in notes  # the default --host 127.0.0.1
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["mlx"], "needs --hosts IP1,IP2 or --hostfile FILE"),
+        (["mlx", "--hosts", "mac1,mac2"], "connects to IP addresses"),
+        (["mlx", "--hosts", "10.0.0.1,10.0.0.2", "--backend", "jaccl"], "JACCL needs a hostfile"),
+        (["vllm", "--hosts", "10.0.0.1"], "are for 'export mlx'"),
+    ],
+)
+def test_mlx_launch_refusals(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err

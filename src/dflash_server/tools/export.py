@@ -1,10 +1,12 @@
-"""``dflash-serve export vllm|sglang``: the same model, drafter and defaults on a GPU server.
+"""``dflash-serve export vllm|sglang|mlx``: the same model, drafter and defaults elsewhere.
 
-Prints the launch command the DFlash model cards give for vLLM and SGLang, filled in from a
-preset (or ``--target``/``--draft``) and the usual settings layers: the original Hugging Face
-checkpoint instead of the MLX conversion (the preset's ``hf_target``), the drafter and its block
-size, served model name, context length, API key, host/port and sampling defaults.
-``--compose FILE`` also writes a docker-compose file that runs it.
+For a GPU server it prints the launch command the DFlash model cards give for vLLM and SGLang,
+filled in from a preset (or ``--target``/``--draft``) and the usual settings layers: the
+original Hugging Face checkpoint instead of the MLX conversion (the preset's ``hf_target``), the
+drafter and its block size, served model name, context length, API key, host/port and sampling
+defaults. ``--compose FILE`` also writes a docker-compose file that runs it. For several Macs
+(``mlx``, with ``--hosts`` or ``--hostfile``) it prints the ``mlx.launch`` command that runs
+this server on each of them, the target sharded over them.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the vLLM or SGLang command that serves the same target, DFlash "
         "drafter and defaults on a GPU server (settings layers as for dflash-serve).",
     )
-    p.add_argument("engine", choices=["vllm", "sglang"])
+    p.add_argument("engine", choices=["vllm", "sglang", "mlx"])
     p.add_argument("--config", help="preset name or TOML/JSON settings file")
     p.add_argument("--target", help="target model (hub id); give --draft too")
     p.add_argument("--draft", help="DFlash drafter (hub id or folder)")
@@ -58,7 +60,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="bind address (default: as dflash-serve)")
     p.add_argument("--port", type=int, help="port (default: as dflash-serve)")
     p.add_argument("--compose", metavar="FILE", help="also write a docker-compose file")
+    p.add_argument("--hosts", help="mlx: the Macs' IP addresses, comma separated (ring backend)")
+    p.add_argument("--hostfile", help="mlx: MLX's JSON hostfile (mlx.distributed_config writes it)")
+    p.add_argument("--backend", choices=["ring", "jaccl", "jaccl-ring"], help="mlx: the transport")
     return p
+
+
+def mlx_launch(args: argparse.Namespace, settings: Settings) -> Export:
+    """``mlx.launch`` over several Macs, the same ``dflash-serve`` on each: the target sharded
+    over them, the first serving HTTP (docs/operations.md, "Two Macs")."""
+    if bool(args.hosts) == bool(args.hostfile):
+        raise SettingsError("export mlx needs --hosts IP1,IP2 or --hostfile FILE (one of them)")
+    if args.hosts and args.backend in ("jaccl", "jaccl-ring"):
+        raise SettingsError(
+            "JACCL needs a hostfile naming each Mac's RDMA devices: write one with "
+            "'mlx.distributed_config --backend jaccl --over thunderbolt --hosts mac1,mac2 "
+            "--auto-setup --output hosts.json', then pass --hostfile hosts.json"
+        )
+    if args.hosts and not all(_is_ip(h) for h in args.hosts.split(",")):
+        raise SettingsError(
+            f"--hosts {args.hosts}: the ring backend connects to IP addresses; give them, or "
+            "a hostfile (mlx.distributed_config --backend ring --over ethernet writes one)"
+        )
+    launch = ["mlx.launch", *(["--hostfile", args.hostfile] if args.hostfile else [])]
+    launch += ["--hosts", args.hosts] if args.hosts else []
+    launch += ["--backend", args.backend or "ring"] if args.hosts or args.backend else []
+    given = {
+        "--config": args.config,
+        "--target": args.target,
+        "--draft": args.draft,
+        "--served-model-name": args.served_model_name,
+        "--context-length": args.context_length,
+        "--block-size": args.block_size,
+        "--api-key": args.api_key,
+        "--host": settings.host,
+        "--port": settings.port,
+    }
+    serve = [w for flag, v in given.items() if v is not None for w in (flag, str(v))]
+    notes = [
+        "every Mac needs the same dflash-server, MLX and mlx-lm and the same model files (a hub "
+        "id, or a folder at the same path): the ranks compare them at start",
+        "the first host is rank 0: it serves HTTP",
+    ]
+    if settings.host in ("127.0.0.1", "localhost", "::1"):
+        notes.append("only clients on the first Mac reach it: --host 0.0.0.0 exposes it")
+    # '--' ends mlx.launch's own flags: its --hosts would swallow dflash-serve's --host.
+    return Export("mlx", [*launch, "--", "dflash-serve", *serve], notes)
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def resolve_hf_target(settings: Settings, explicit: str | None, target_given: bool) -> str:
@@ -268,6 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = load(args)
+        if args.engine == "mlx":
+            if args.compose:
+                raise SettingsError("--compose writes a docker-compose file for vLLM or SGLang")
+            print(mlx_launch(args, settings).shell(), end="")
+            return 0
+        if args.hosts or args.hostfile or args.backend:
+            raise SettingsError("--hosts, --hostfile and --backend are for 'export mlx'")
         hf_target = resolve_hf_target(settings, args.hf_target, args.target is not None)
     except SettingsError as exc:
         print(f"dflash-serve export: error: {exc}", file=sys.stderr)
