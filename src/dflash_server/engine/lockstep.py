@@ -1,5 +1,4 @@
-"""Every rank runs the same engine rounds; rank 0 alone decides (docs/design.md, "Several
-machines").
+"""Every rank runs the same engine rounds; rank 0 alone decides.
 
 What a round decides may depend on the clock or on chance: which requests start (and how much
 of each prompt the prefix cache restores: its disk tier is written in the background), which
@@ -11,7 +10,7 @@ those and steps the same batch. The rest follows from the same inputs: sampling 
 each request's ``entropy`` (drawn once, on rank 0, when the request was built), and what a rank
 samples from (hidden states, gathered logits) comes out of the same collectives on every rank.
 Each round also carries a digest of the previous round's tokens on rank 0, so a rank that
-diverged stops at once instead of answering wrongly.
+diverged stops at once instead of answering wrongly (docs/design.md, "Several machines").
 """
 
 from __future__ import annotations
