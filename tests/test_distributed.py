@@ -129,6 +129,18 @@ def test_server_answers_as_the_oracle_and_reports_every_rank(server: Any, engine
     prompt, want = engine_run["prompt"], engine_run["strings"]
     first = complete(server.port, prompt).json()
     assert first["choices"][0]["logprobs"]["tokens"] == want
+    # A grammar: every rank builds its matcher and walks the drafted paths with it.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {
+        "messages": [{"role": "user", "content": "an object"}],
+        "max_tokens": 24,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        "enable_thinking": False,
+    }
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    answer = httpx.post(url, json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"].startswith("{")
     results: list[Any] = [None] * 3
 
     def one(i: int) -> None:  # batched with each other, the second and third a prefix hit
