@@ -57,7 +57,11 @@ def serve(*args: str) -> list[str]:
 
 
 def follower_pid(process: OutputProcess) -> int:
-    return int(process.wait_for("following rank 0 (pid").split("(pid ")[1].split(",")[0])
+    """Rank 1's pid, from its start-up line (logged before or after rank 0's "ready")."""
+    needle = "following rank 0 (pid"
+    line = next((seen for seen in process.lines if needle in seen), None)
+    line = line or process.wait_for(needle)
+    return int(line.split("(pid ")[1].split(",")[0])
 
 
 @pytest.fixture(scope="module")
