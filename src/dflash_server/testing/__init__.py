@@ -75,8 +75,11 @@ _CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message.role == 'system' %}{%- if not (tools and loop.first) %}"
     "{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif message.role == 'user' %}"
-    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'user' %}{{- '<|im_start|>user\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- else %}"
+    "{%- for part in message.content %}{%- if part.type == 'text' %}{{- part.text }}"
+    "{%- else %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if message.reasoning_content %}"
     "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
@@ -102,8 +105,9 @@ _CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(path: Path) -> None:
-    """Train a tiny byte-level BPE and write tokenizer.json + tokenizer_config.json to ``path``."""
+def build_tokenizer(path: Path, special: Sequence[str] = SPECIAL_TOKENS) -> None:
+    """Train a tiny byte-level BPE and write tokenizer.json + tokenizer_config.json to ``path``
+    (``special``: the control tokens, appended after the BPE vocabulary)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -122,13 +126,11 @@ def build_tokenizer(path: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS], trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))  # appended after the BPE vocab, as in Qwen
+    tok.add_special_tokens(list(special))  # appended after the BPE vocab, as in Qwen
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     flags = dict.fromkeys(("lstrip", "normalized", "rstrip", "single_word"), False)
-    added = {
-        str(tok.token_to_id(t)): {"content": t, **flags, "special": True} for t in SPECIAL_TOKENS
-    }
+    added = {str(tok.token_to_id(t)): {"content": t, **flags, "special": True} for t in special}
     config = {
         "add_prefix_space": False,
         "added_tokens_decoder": added,
@@ -222,13 +224,16 @@ def build_target(
     nested_text_config: bool = True,
     seed: int = 0,
     quantize_bits: int | None = None,
+    special: Sequence[str] = SPECIAL_TOKENS,
+    text_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random float32 mlx-lm model folder (config, weights, tokenizer); return ``path``.
 
     ``vocab_size`` (embedding rows) defaults to the tokenizer size rounded up to a multiple of 64
     with at least 16 spare rows; ``mask_token_id(path)`` is the first spare row. A larger
     override (e.g. 32k for a ~100M benchmark model) leaves the tokenizer small. ``quantize_bits``
-    quantizes (affine, group 64) the layers whose input width allows it, like ``mlx_lm.convert``.
+    quantizes (affine, group 64) the layers whose input width allows it, like ``mlx_lm.convert``;
+    ``special``: the tokenizer's control tokens; ``text_overrides``: config fields to change.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -237,13 +242,14 @@ def build_target(
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
     path = Path(path)
-    build_tokenizer(path)
+    build_tokenizer(path, special)
     n_tok = tokenizer_size(path)
     vocab = vocab_size or -(-(n_tok + 16) // 64) * 64
     if vocab <= n_tok:
         raise ValueError(f"vocab_size {vocab} leaves no free row past {n_tok} named tokens")
     inter = intermediate_size or 3 * hidden_size
     text = _text_config(arch, hidden_size, num_hidden_layers, inter, vocab, tie_word_embeddings)
+    text.update(text_overrides or {})
     eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
     eos_id = next(t["id"] for t in eos if t["content"] == "<|im_end|>")
     if arch in ("qwen3_5", "qwen3_5_moe") and nested_text_config:
@@ -272,7 +278,7 @@ def build_target(
     norm.weight = -mx.abs(gain) if tie_word_embeddings else gain
     std = 0.15 if tie_word_embeddings else 1.0
     emb.weight = mx.random.normal(emb.weight.shape, dtype=mx.float32) * std
-    n_bpe = n_tok - len(SPECIAL_TOKENS)
+    n_bpe = n_tok - len(special)
     if tie_word_embeddings:
         emb.weight[n_bpe:] *= 0.05
     else:
