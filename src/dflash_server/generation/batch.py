@@ -16,9 +16,11 @@ only the target cache is shared, as rows of a ``BatchCache``. A pass:
 ``step`` runs one round of the batch and returns what each row committed, as mlx-lm's
 ``BatchGenerator.next`` does; its owner (the engine) calls it and routes the commits. Before
 the pass, prompts make progress: prompts of one chunk or less that the prefix cache does not hold
-are prefilled together in one forward (``batch_prefill.py``); a longer prompt, or a prefix hit,
-prefills alone one chunk per step, so the running rows keep decoding. A prefilled row joins the
-next pass; it leaves when it finishes or is removed (cancelled). Outputs are those of the request
+are prefilled together in one forward (``batch_prefill.py``); a longer prompt, a prefix hit or
+a prompt with images prefills alone one chunk per step, so the running rows keep decoding. A
+prefilled row joins the next pass; it leaves when it finishes or is removed (cancelled). Each
+row rotates at its own positions (a prompt with images shifts its later ones: its ``shift``,
+applied to its row only). Outputs are those of the request
 run alone: greedy token for token (on fp32, where kernels do not change with row count;
 docs/design.md, "Batching under speculation"), sampled rows with the same law.
 """
@@ -40,6 +42,7 @@ from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice
 from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
 from dflash_server.generation.target import TargetModel
+from dflash_server.models.mrope import Positions
 
 Outcome = Commit | Exception  # what a step hands a row: its commit, or the error that ended it
 
@@ -96,8 +99,9 @@ class BatchDecoder:
             self.alone.add(row, prompt, max_tokens, eos_ids)
             return
         row.begin(prompt, max_tokens, eos_ids)
-        if len(row.prompt) <= row.prefill_step_size and row.prefix_hit() is None:
-            self.waiting.append(row)  # one chunk, cold: prefilled with the other short ones
+        short = len(row.prompt) <= row.prefill_step_size and row.images is None
+        if short and row.prefix_hit() is None:
+            self.waiting.append(row)  # one chunk, cold, text: prefilled with other short ones
         else:
             self.prefilling[row] = row.prefill_steps()
 
@@ -241,8 +245,12 @@ class BatchDecoder:
                 inputs.append(mx.concatenate([tokens, mx.zeros((padding,), mx.int32)]))
             self.cache.layout.reserve(width)
             recording = self.target.hooks.recording() if width > 1 else contextlib.nullcontext()
+            shifts = [row.shift for row in rows]  # each row's own (images), on its own row
+            positions = Positions(shift=mx.array(shifts)) if any(shifts) else None
             with recording as record:
-                logits, taps = self.target.forward(mx.stack(inputs), self.cache.layers, slice(None))
+                logits, taps = self.target.forward(
+                    mx.stack(inputs), self.cache.layers, slice(None), positions=positions
+                )
             cycles = [
                 row.score(c, logits[i, : c.size],
                           None if taps is None else taps[i : i + 1, : c.size], *drafts[i], h)

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_server.generation.cycle import FLUSH, PREFILL_CHUNK, Commit, Cycle, terminate
+from dflash_server.generation.images import PromptImages
 from dflash_server.generation.policy import DRAFTER, PLAIN, SUFFIX, Choice, FixedBlock, WidthPolicy
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
 from dflash_server.generation.protocols import Drafter, DraftRow, PrefixStore, TokenConstraint
@@ -36,6 +37,7 @@ from dflash_server.generation.sampling import TokenSampler, apply_mask, point_ma
 from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
+from dflash_server.models.mrope import Positions
 
 _UNSEEN = object()  # the prefix cache was not asked yet
 
@@ -48,7 +50,8 @@ class Row:
     commit; ``constraint`` restricts the target's distribution at every position (grammars).
     ``suffix`` proposes copies from the context (it needs an adaptive policy, which may then run
     without a drafter). ``prefix`` is the prefix cache, ``checkpoints`` the prompt positions
-    where it keeps the recurrent state; ``profile`` times each phase (``stats.timings``).
+    where it keeps the recurrent state; ``profile`` times each phase (``stats.timings``);
+    ``images``: the prompt's images (their features, positions and prefix-cache key).
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Row:
         prefix: PrefixStore | None = None,
         checkpoints: tuple[int, ...] = (),
         suffix: SuffixProposer | None = None,
+        images: PromptImages | None = None,
     ):
         self.target, self.draft, self.sampler = target, draft, sampler
         self.suffix = suffix if policy.adaptive else None
@@ -93,6 +97,9 @@ class Row:
         self._context: list[mx.array] = []  # committed taps not yet given to the drafter
         self._last_read: float | None = None  # when the previous cycle was read back
         self._hit: object = _UNSEEN  # the prefix cache's answer for this request's prompt
+        self.images = images  # until the prompt is prefilled
+        # Every position after the prompt is the token count plus this (images: <= 0).
+        self.shift = images.shift if images is not None else 0
 
     def begin(
         self,
@@ -102,12 +109,18 @@ class Row:
     ) -> None:
         """Set the request: its prompt and where it ends (an EOS id, ``max_tokens`` tokens)."""
         self.prompt, self._history = list(prompt), list(prompt)
+        self.key = self.images.key if self.images is not None else tuple(self.prompt)
         self.max_tokens, self.eos_ids = max_tokens, frozenset(eos_ids)
 
     @property
     def room(self) -> int:
         """Tokens it may still produce."""
         return self.max_tokens - self.produced
+
+    @property
+    def positions(self) -> Positions | None:
+        """The rotary positions of the row's cycles, when not the cache offset."""
+        return Positions(shift=self.shift) if self.shift else None
 
     @property
     def pinned(self) -> bool:
@@ -123,7 +136,7 @@ class Row:
         if self._hit is _UNSEEN:
             found = None
             if self.prefix is not None:
-                found = self.prefix.lookup(self._prefix_kind, self.prompt)
+                found = self.prefix.lookup(self._prefix_kind, self.key)
             self._hit = found
         return cast("tuple[PromptSnapshot, int] | None", self._hit)
 
@@ -149,7 +162,8 @@ class Row:
             last = end == len(prompt)
             rows = slice(-1, None) if last else None
             with mx.stream(generation_stream):
-                logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows)
+                inputs = self._prompt_inputs(tokens[:, begin:end], begin, end)
+                logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows, **inputs)
                 if self.draft is not None:
                     self.draft.append_context(_tapped(taps), _ctx(self.draft_cache))
                 if end in wanted:
@@ -159,16 +173,23 @@ class Row:
                     mx.clear_cache()
             if not last:
                 yield PREFILL_CHUNK
+        self.images = None  # the features are in the cache now
         return self.first_token(_rows(logits)[0], checkpoints)
+
+    def _prompt_inputs(self, tokens: mx.array, begin: int, end: int) -> dict[str, Any]:
+        """With images: a prompt chunk's embeddings (features at image tokens) and positions."""
+        if self.images is None:
+            return {}
+        embed = self.target.parts.embed_tokens
+        embeddings = self.images.embeddings(tokens, begin, end, embed)
+        return {"embeddings": embeddings, "positions": self.images.positions(begin, end)}
 
     def first_token(self, logits: mx.array, checkpoints: dict[int, Checkpoint]) -> Cycle:
         """After the prompt's prefill: keep its snapshot (with a prefix cache) and start the
         first token's (lazy) one-row cycle from the last position's logits ([1, V])."""
         with mx.stream(generation_stream):
             if self.prefix is not None:
-                snapshot = PromptSnapshot.take(
-                    self.prompt, self.cache, self.draft_cache, checkpoints
-                )
+                snapshot = PromptSnapshot.take(self.key, self.cache, self.draft_cache, checkpoints)
                 mx.async_eval(snapshot.arrays())
                 self.prefix.store(self._prefix_kind, snapshot)
             logits = self._process(logits, self.history(), None)

@@ -112,7 +112,9 @@ class SpeculativeDecoder:
                 self.rollback.recording() if drafts is not None else contextlib.nullcontext()
             )
             with recording:
-                logits, taps = row.target.forward(tokens[None], row.cache, slice(None))
+                logits, taps = row.target.forward(
+                    tokens[None], row.cache, slice(None), positions=row.positions
+                )
             cycle = row.score(choice, logits[0], taps, drafts, log_q, history)
             self._timed("plain" if drafts is None else "verify", *cycle.arrays())
         mx.async_eval(*cycle.arrays())

@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_server.models.hooks import Recording, TargetHooks, hook_error
+from dflash_server.models.mrope import Positions
 from dflash_server.models.recurrence import state_at
 
 
@@ -52,21 +53,43 @@ class TargetModel:
 
     @overload
     def forward(
-        self, tokens: mx.array, cache: list[Any] | None, logit_rows: slice
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None,
+        logit_rows: slice,
+        *,
+        embeddings: mx.array | None = None,
+        positions: Positions | None = None,
     ) -> tuple[mx.array, mx.array | None]: ...
     @overload
     def forward(
-        self, tokens: mx.array, cache: list[Any] | None, logit_rows: None = None
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None,
+        logit_rows: None = None,
+        *,
+        embeddings: mx.array | None = None,
+        positions: Positions | None = None,
     ) -> tuple[None, mx.array | None]: ...
     def forward(
-        self, tokens: mx.array, cache: list[Any] | None, logit_rows: slice | None = None
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None,
+        logit_rows: slice | None = None,
+        *,
+        embeddings: mx.array | None = None,
+        positions: Positions | None = None,
     ) -> tuple[mx.array | None, mx.array | None]:
         """Run ``tokens`` ([1, T]) through the target; return (logits of ``logit_rows``, taps).
 
         Taps are the tapped layers' outputs concatenated on the feature axis: [1, T, L*H]
-        (None without taps, i.e. plain decoding).
+        (None without taps, i.e. plain decoding). ``embeddings`` ([B, T, H]) replace the
+        tokens' own (image features at image tokens); ``positions`` replace the cache offset
+        as the rotary positions (docs/design.md, "Multimodal positions").
         """
-        hidden = self.parts.backbone(tokens, cache)
+        extra = {} if embeddings is None else {"input_embeddings": embeddings}
+        with self.hooks.positioned(positions):
+            hidden = self.parts.backbone(tokens, cache, **extra)
         taps = self.hooks.take_taps(self.tap_ids)
         logits = None if logit_rows is None else self.parts.lm_head(hidden[:, logit_rows])
         return logits, taps
