@@ -54,9 +54,18 @@ def build_engine(
             suffix_tokens=settings.suffix_tokens,
             suffix_cache_bytes=settings.suffix_cache_bytes,
             calibration_cache=settings.calibration_folder,
+            vision=settings.vision,
         )
         for line in describe(models.summary).splitlines():
             log.info("%s", line)
+        if models.summary.vision:
+            remote = "http(s) URLs too" if settings.allow_remote_images else "data URLs only"
+            log.info(
+                "images: at most %d per request, resized to at most %d pixels, %s",
+                settings.max_images,
+                settings.max_image_pixels,
+                remote,
+            )
         if prefix_cache is None:
             log.info("prefix cache: off")
         else:

@@ -148,7 +148,7 @@ async def get_model(
 def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[str, Any]:
     models = engine.models
     context = models.summary.context_length if models is not None else None
-    return {
+    card: dict[str, Any] = {
         "id": settings.model_id,
         "object": "model",
         "created": request.app.state.started,
@@ -157,6 +157,11 @@ def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[st
         "max_model_len": context,
         "max_input_tokens": context,
     }
+    if models is not None:  # known once loaded
+        images = models.summary.vision
+        card["capabilities"] = ["completion", "chat", "tools", *(["vision"] if images else [])]
+        card["modalities"] = {"input": ["text", *(["image"] if images else [])], "output": ["text"]}
+    return card
 
 
 @public.get("/health")
@@ -171,6 +176,7 @@ async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
         "block_size": summary.get("block_size"),
         "draft_family": summary.get("draft_family"),
         "context_length": summary.get("context_length"),
+        "vision": summary.get("vision", False),
         "queue_depth": engine.queue_depth,
         "batching": engine.batching,
         "active_rows": engine.active_rows,

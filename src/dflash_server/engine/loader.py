@@ -17,6 +17,7 @@ from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.models.hooks import HookError
 from dflash_server.models.loading import flat_arrays, load, load_draft
+from dflash_server.models.vision import VisionTower, load_vision
 from dflash_server.models.window import DEFAULT_WINDOW, SINKS, default_window
 
 log = logging.getLogger("dflash_server")
@@ -98,6 +99,8 @@ class ModelSummary:
     target_layer_ids: list[int] = field(default_factory=list)
     draft_window: int | None = None
     cycle_costs: str | None = None  # the measured cost curve, described
+    vision: bool = False  # prompts may hold images (the checkpoint's vision tower is loaded)
+    vision_note: str = "text only"  # what the startup log says about images
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -158,6 +161,7 @@ def load_models(
     suffix_tokens: int = 0,
     suffix_cache_bytes: int | None = None,
     calibration_cache: str | Path | None = None,
+    vision: bool = True,
 ) -> LoadedModels:
     """Load target (+ drafter, bound to it). Runs on the engine's worker thread: it is MLX work.
 
@@ -169,7 +173,7 @@ def load_models(
     ``suffix_tokens``: suffix copies of up to so many tokens will run (their verify widths are
     measured too, with no drafter as well); ``suffix_cache_bytes``: their shared index's budget;
     ``calibration_cache``: the folder where measured costs are kept for the next load (None:
-    measure every time).
+    measure every time); ``vision``: load the checkpoint's vision tower, if it has one.
     """
     target_label, draft_label = target_label or target, draft_label or draft
     target_path = resolve_model(target, "target", TARGET_PATTERNS)
@@ -178,6 +182,15 @@ def load_models(
     except Exception as exc:  # mlx-lm raises many types; the user needs the first line
         raise ModelLoadError(f"cannot load target {target_label!r}: {_first_line(exc)}") from exc
     target_cfg = _read_config(target_path)
+    tower = None
+    if vision:
+        try:
+            tower = load_vision(target_path)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"cannot load the vision tower of {target_label!r}: {_first_line(exc)} "
+                "(--no-vision serves text only)"
+            ) from exc
     drafter, draft_cfg, draft_path = None, {}, None
     if draft is not None:
         draft_path = resolve_model(draft, "draft", DRAFT_PATTERNS)
@@ -188,7 +201,7 @@ def load_models(
             raise ModelLoadError(f"cannot use drafter {draft_label!r}: {_first_line(exc)}") from exc
         draft_cfg = _read_config(draft_path)
     try:  # install the target's hooks now: their self-check fails here, not mid-request
-        pair = ModelPair.build(model, tokenizer, drafter)
+        pair = ModelPair.build(model, tokenizer, drafter, vision=tower)
     except HookError as exc:
         raise ModelLoadError(f"cannot use target {target_label!r}: {exc}") from exc
     model_ctx = _model_context(target_cfg) or DEFAULT_CONTEXT
@@ -200,6 +213,8 @@ def load_models(
         vocab_size=_vocab_size(target_cfg),
         context_length=min(context_length, model_ctx) if context_length else model_ctx,
         fingerprint=_fingerprint(target_path, draft_path),
+        vision=tower is not None,
+        vision_note=_vision_note(tower, target_cfg, vision),
     )
     if drafter is not None:
         if draft_window is None:
@@ -242,6 +257,14 @@ def _fingerprint(target: Path, draft: Path | None) -> str:
     return h.hexdigest()[:32]
 
 
+def _vision_note(tower: VisionTower | None, config: dict[str, Any], asked: bool) -> str:
+    if tower is not None:
+        return f"takes images (vision tower: {_size(_weights_gb(tower.tower))} weights)"
+    if config.get("vision_config") and not asked:
+        return "text only (--no-vision)"
+    return "text only (the checkpoint has no vision tower)"
+
+
 def _size(gb: float) -> str:
     return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
 
@@ -270,6 +293,7 @@ def describe(summary: ModelSummary) -> str:
         lines.append("no drafter: plain (non-speculative) decoding")
         if s.cycle_costs:  # suffix copies still run: verify-only cycles
             lines.append(s.cycle_costs)
+    lines.append(f"vision: {s.vision_note}")
     lines.append(f"MLX active memory after load: {_size(s.active_memory_gb)}")
     return "\n".join(lines)
 
