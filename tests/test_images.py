@@ -252,6 +252,35 @@ def test_batched_image_rows_equal_their_lone_runs(tiny_vl: tuple) -> None:
     assert max(batch.histogram) >= 3 and batch.rows == []
 
 
+def test_the_batch_decodes_while_an_image_prompt_prefills(
+    tiny_vl: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image prompt prefills alone, one chunk per step (the image encoded once, at the
+    chunk that first needs it), while a running row commits tokens at every one of those
+    steps."""
+    from dflash_server.generation.cycle import PREFILL_CHUNK
+
+    model, tokenizer, vision = tiny_vl
+    inner = random_drafter(model)
+    ids, images, _ = image_prompt(tiny_vl, PICTURES[:2])
+    text = list(tokenizer.encode("The quick brown fox"))
+    batch = BatchDecoder(TargetModel(model, tuple(inner.config.target_layer_ids)))
+    running = image_row(tiny_vl, inner, text, [], 4)
+    batch.add(running, text, 200)
+    while running not in batch.rows:
+        batch.step()
+    row = image_row(tiny_vl, inner, ids, images, 4, prefill_step_size=6)
+    encoded = []
+    encode_image = vision.encode
+    monkeypatch.setattr(vision, "encode", lambda i: encoded.append(i.digest) or encode_image(i))
+    batch.add(row, ids, 8)
+    chunks = 0
+    while (outcome := batch.step())[row] is PREFILL_CHUNK:
+        chunks += 1
+        assert outcome[running].tokens  # the running row went on meanwhile
+    assert chunks == -(-len(ids) // 6) - 1 and encoded == [i.digest for i in images]
+
+
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_prefix_cache_hit_on_a_repeated_image(
     tiny_vl: tuple, tmp_path: Path, tier: str, monkeypatch: pytest.MonkeyPatch

@@ -177,6 +177,8 @@ async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
         "draft_family": summary.get("draft_family"),
         "context_length": summary.get("context_length"),
         "vision": summary.get("vision", False),
+        "max_images": settings.max_images,
+        "max_image_pixels": settings.max_image_pixels,
         "queue_depth": engine.queue_depth,
         "batching": engine.batching,
         "active_rows": engine.active_rows,
