@@ -117,7 +117,7 @@ def main() -> None:
             assert token == reference[0], name
             times[name].append(seconds)
         for name, run in decode.items():
-            tokens, rate = vlm_rate(run()) if name == "mlx-vlm" else decode_rate(run())
+            tokens, rate = decode_rate(run())
             assert tokens[:n] == reference, name
             rates[name].append(rate)
     result = {
@@ -137,17 +137,6 @@ def main() -> None:
     for key, value in result.items():
         print(f"{key}: {value}")
     write_json(args.json, result)
-
-
-def vlm_rate(steps: Any) -> tuple[list[int], float]:
-    """mlx-vlm's tokens and decode tokens/s, timed from its first token on."""
-    tokens: list[int] = []
-    start = None
-    for step in steps:
-        if start is None:
-            start = time.perf_counter()
-        tokens.append(step.token)
-    return tokens, (len(tokens) - 1) / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":

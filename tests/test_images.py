@@ -327,7 +327,7 @@ def test_prefix_cache_hit_on_a_repeated_image(
 def test_sampling_with_an_image_follows_the_target_law(tiny_vl: tuple, vlm: tuple) -> None:
     """Joint law of the first 3 tokens after an image, speculative (drafts accepted, rejected
     and resampled), against the exact law from mlx-vlm's logits."""
-    from test_sampling import total_variation, tv_tolerance
+    from test_sampling import joint_law, total_variation, tv_tolerance
 
     model, _, _ = tiny_vl
     ids, images, text = image_prompt(tiny_vl, PICTURES[:1])
@@ -340,12 +340,7 @@ def test_sampling_with_an_image_follows_the_target_law(tiny_vl: tuple, vlm: tupl
         probs = mx.exp(sampler.logprobs(logits))[0].tolist()
         return {i: p for i, p in enumerate(probs) if p > 0}
 
-    exact = {
-        (a, b, c): pa * pb * pc
-        for a, pa in law([]).items()
-        for b, pb in law([a]).items()
-        for c, pc in law([a, b]).items()
-    }
+    exact = joint_law(law)
     best = max(exact, key=exact.get)
     inner = random_drafter(model, block_size=4)
     n, counts = 600, Counter[tuple[int, ...]]()
