@@ -99,7 +99,7 @@ def image_row(vl: tuple, draft: Any, ids: list[int], images: list[ImageInput], b
     model, _, vision = vl
     taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
     target = TargetModel(model, taps)
-    target.hooks.place_positions()
+    target.place_positions()
     sampler = TokenSampler(kw.pop("sampling", SamplingParams()), kw.pop("seed", None))
     policy = kw.pop("policy", None) or FixedBlock(block)
     prompt = PromptImages(vision, images, ids) if images else None
@@ -200,6 +200,25 @@ def test_original_layout_loads_and_equals_mlx_vlm(tmp_path: Path) -> None:
     ids, images, text = image_prompt(vl, PICTURES[:1])
     reference = vlm_greedy(vlm_load(str(path)), text, PICTURES[:1], 16)
     assert decode(image_row(vl, None, ids, images), ids, 16) == reference
+
+
+def test_the_positions_hook_checks_itself(tiny_vl_path: Path) -> None:
+    """An mlx-lm whose attention no longer rotates through its RoPE module fails at load."""
+    import mlx.nn as nn
+    import mlx_lm
+
+    from dflash_server.generation.target import check_positions
+    from dflash_server.models.hooks import HookError, TargetHooks
+
+    model, _ = mlx_lm.load(str(tiny_vl_path))  # its own copy: the hooks are changed below
+    hooks = TargetHooks.of(model)
+    hooks.place_positions()
+    check_positions(hooks)
+    for layer in hooks.parts.layers:
+        if hasattr(layer, "self_attn"):
+            layer.self_attn.rope = nn.RoPE(16)  # rotates, but not through the hook
+    with pytest.raises(HookError, match="0 rotations"):
+        check_positions(hooks)
 
 
 def test_text_only_checkpoint_has_no_vision(tiny_hybrid_path: Path) -> None:

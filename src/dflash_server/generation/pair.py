@@ -90,7 +90,7 @@ class ModelPair:
         taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         target = TargetModel(model, taps)
         if vision is not None:
-            target.hooks.place_positions()
+            target.place_positions()
         return cls(model, tokenizer, draft, target, wired or WiredLimit(model), vision)
 
     @classmethod
@@ -114,7 +114,7 @@ class ModelPair:
                 draft.bind(model)  # cheap; the caller may have rebound it elsewhere
             pair.tokenizer = tokenizer
         if vision is not None and pair.vision is not vision:
-            pair.target.hooks.place_positions()
+            pair.target.place_positions()
             pair.vision = vision
         return pair
 

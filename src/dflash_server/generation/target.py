@@ -48,6 +48,13 @@ class TargetModel:
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
+    def place_positions(self) -> None:
+        """Let forwards give their own rotary positions (images), checked once: each attention
+        layer must rotate its queries and keys through its positioned RoPE."""
+        if self.hooks.mrope is None:
+            self.hooks.place_positions()
+            check_positions(self.hooks)
+
     def make_rollback(self, cache: list[Any]) -> CacheRollback:
         return CacheRollback(self.hooks, cache)
 
@@ -177,6 +184,24 @@ def check_rollback(hooks: TargetHooks) -> None:
         )
         if not same:
             raise hook_error(f"layer {i}'s cache does not roll back exactly")
+
+
+def check_positions(hooks: TargetHooks) -> None:
+    """One positioned token: every attention layer must rotate its queries and keys through
+    its RoPE module (else images would silently sit at the wrong positions); a HookError names
+    the mlx-lm version when they do not."""
+    ropes = [
+        getattr(getattr(layer, "self_attn", None), "rope", None) for layer in hooks.parts.layers
+    ]
+    layers = sum(rope is not None for rope in ropes)
+    before = hooks.rotations
+    with hooks.positioned(Positions(shift=1)):
+        hooks.parts.backbone(mx.array([[1]]), make_prompt_cache(hooks.model))
+    if hooks.rotations - before != 2 * layers or not layers:
+        raise hook_error(
+            f"{hooks.rotations - before} rotations through the RoPE of {layers} attention "
+            "layers, where each layer rotates its queries and keys"
+        )
 
 
 def _contents(cache: Any) -> list[mx.array]:

@@ -130,6 +130,7 @@ def _positioned_class(cls: type) -> type:
             positions = hooks.positions
             if positions is None:
                 return cls.__call__(self, x, offset)
+            hooks.rotations += 1
             if positions.grid is None:
                 return cls.__call__(self, x, offset + positions.shift)
             return rotate(self, x, positions.grid, hooks.mrope)
@@ -154,6 +155,7 @@ class TargetHooks:
         self.checked = False  # set once rollback was checked exactly on this model
         self.positions: Positions | None = None  # the positions of the forward in flight
         self.mrope: tuple[int, ...] | None = None  # set by ``place_positions``
+        self.rotations = 0  # positioned rotations so far (its self-check counts them)
         # GDN layers, and the mlx-lm modules whose gated_delta_update they call.
         self.gdn: list[nn.Module] = []
         self.originals: dict[ModuleType, Any] = {}
