@@ -88,6 +88,7 @@ class Row:
             estimator=self.policy.estimate,
         )
         self.prompt: list[int] = []
+        self.key: tuple[int, ...] = ()  # the prompt as the prefix cache keys it (set by begin)
         self.max_tokens, self.produced = 0, 0
         self.eos_ids: frozenset[int] = frozenset()
         self.last = mx.array([0], dtype=mx.int32)  # the next cycle's anchor: the last token
