@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -141,8 +145,15 @@ class ScriptedGenerate:
     generator was closed before its end, so tests can check cancellation really stopped the work.
     """
 
-    def __init__(self, pieces: list[str], delay: float = 0.0, first_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        pieces: list[str],
+        delay: float = 0.0,
+        first_delay: float = 0.0,
+        source: str | None = None,
+    ) -> None:
         self.pieces, self.delay, self.first_delay = pieces, delay, first_delay
+        self.source = source  # each piece one token from it ("target", "draft"), for dflash_tokens
         self.calls: list[dict[str, Any]] = []
         self.closed_early = 0
         self.finished = 0
@@ -170,6 +181,7 @@ class ScriptedGenerate:
                 reason = "length" if done and len(pieces) == max_tokens else "stop"
                 response = fake_response(text, [i], reason if done else None, i + 1)
                 response.stop = hit
+                response.sources = [(text, self.source)] if self.source else None
                 yield response
                 if done:
                     return
@@ -179,6 +191,36 @@ class ScriptedGenerate:
             raise
         finally:
             self.finished += done
+
+
+class ScriptedTokens:
+    """A ``generate`` for Engine that replays token ids through the real detokenizer and stop
+    strings (``TextStream``), ``step`` tokens per commit (as a speculative cycle commits several),
+    ``delay`` seconds apart: the text as the model's tokens make it, an incomplete UTF-8
+    character held back included."""
+
+    def __init__(self, tokens: list[int], step: int = 1, delay: float = 0.0) -> None:
+        self.tokens, self.step, self.delay = tokens, step, delay
+
+    def __call__(self, models: Any, request: Any) -> Iterator[Any]:
+        from dflash_server.generation.cycle import Commit
+        from dflash_server.generation.text import TextStream, hidden_tokens
+
+        tokenizer = models.pair.tokenizer
+        text = TextStream(tokenizer, request.stop, hidden_tokens(tokenizer))
+        tokens, step, delay = self.tokens[: request.max_tokens], self.step, self.delay
+
+        def run() -> Iterator[Any]:
+            for i in range(0, len(tokens), step):
+                time.sleep(delay)
+                commit = tokens[i : i + step]
+                last = i + step >= len(tokens)
+                piece, _, finish = text.feed(Commit(commit, finish="stop" if last else None))
+                yield fake_response(piece, commit, finish, i + len(commit))
+                if finish is not None:
+                    return
+
+        return run()
 
 
 def slow(generate: Any, delay: float) -> Any:
@@ -192,13 +234,16 @@ def slow(generate: Any, delay: float) -> Any:
     return wrapped
 
 
-def make_app(target: Path, draft: Path, *, generate: Any = None, **settings: Any) -> Any:
-    """An app serving the tiny fixture models; ``generate`` swaps stream_generate for a test double."""
+def make_app(
+    target: Path, draft: Path | str | None, *, generate: Any = None, **settings: Any
+) -> Any:
+    """An app serving the tiny fixture models (``draft``: a folder, "mtp" or None);
+    ``generate`` swaps the engine's generation for a test double."""
     from dflash_server.api.app import build_engine, create_app
     from dflash_server.api.metrics import Metrics
     from dflash_server.settings import Settings
 
-    s = Settings.load(target=str(target), draft=str(draft), **settings)
+    s = Settings.load(target=str(target), draft=None if draft is None else str(draft), **settings)
     metrics = Metrics() if s.metrics else None
     return create_app(s, build_engine(s, generate=generate, metrics=metrics), metrics)
 
@@ -220,3 +265,78 @@ async def drain(job: Any, timeout: float = 30) -> list[Any]:
         events.extend(batch)
     assert batch is not None, "timed out"
     return events
+
+
+# The real CLI, with ``SLOW`` seconds of MLX work (a big model's load-time measurements, on the
+# tiny models) before the engine measures its batched pass costs, the last step of loading.
+SLOW_LOAD = """
+import sys, time
+import mlx.core as mx
+import dflash_server.generation.batch_budget as budget
+
+measure = budget.measure_pass_costs
+
+def slow(*args, **kwargs):
+    print("measuring pass costs", flush=True)
+    end, x = time.monotonic() + float(sys.argv[1]), mx.ones((64, 64))
+    while time.monotonic() < end:
+        mx.eval(x @ x)
+    return measure(*args, **kwargs)
+
+budget.measure_pass_costs = slow
+from dflash_server.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+class ServeProcess:
+    """``dflash-serve ARGS`` in a subprocess (loading slowed by ``slow`` seconds), its output
+    (stdout and stderr) read line by line as it comes. No calibration cache: the (slowed)
+    measurements run at every start, and nothing is written."""
+
+    def __init__(self, args: list[str], slow: float = 0.0) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_LOAD, str(slow), *args, "--calibration-cache", "off"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, needle: str, timeout: float = 90) -> str:
+        """The first (next) output line containing ``needle``; fails if the process ends first."""
+        deadline = time.monotonic() + timeout
+        while (line := self._queue.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+            self.lines.append(line)
+            if needle in line:
+                return line
+        raise AssertionError(f"exited ({self.proc.wait()}) before {needle!r}:\n" + self.output)
+
+    def stop(self, sig: int, timeout: float = 60) -> tuple[int, float]:
+        """Send ``sig``; (exit status, seconds until the process ended)."""
+        start = time.monotonic()
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        seconds = time.monotonic() - start
+        while (line := self._queue.get(timeout=10)) is not None:
+            self.lines.append(line)
+        return code, seconds
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

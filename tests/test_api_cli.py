@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from dflash_server.cli import build_parser, load_settings, main
 from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list_presets
-from server_fixtures import build_draft, free_port
+from server_fixtures import ServeProcess, build_draft, free_port
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +85,7 @@ def test_config_without_models_keeps_default_models(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--target", "a/b"], "--target was given without --draft"),
+        (["--draft", "a/b"], "--draft was given without --target"),
         (["--config", "no-such-preset"], "not found"),
         (["--port", "99999"], "--port"),
         (["--block-size", "0"], "--block-size"),
@@ -95,6 +96,14 @@ def test_bad_settings_are_one_line(argv: list[str], needle: str) -> None:
         load_settings(argv)
 
 
+def test_a_bad_environment_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_PORT", "notaport")
+    with pytest.raises(SettingsError, match=r"^DFLASH_PORT='notaport': .*integer") as info:
+        load_settings([])
+    assert "--port" not in str(info.value)
+    assert load_settings(["--port", "9000"]).port == 9000  # the flag wins, the variable unread
+
+
 def test_every_settings_field_has_a_flag() -> None:
     flags = {a.dest for a in build_parser()._actions}
     assert set(Settings.model_fields) <= flags
@@ -103,15 +112,16 @@ def test_every_settings_field_has_a_flag() -> None:
 def test_main_reports_errors_without_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["--target", "a/b"]) == 2
+    assert main(["--draft", "a/b"]) == 2  # a settings error (a drafter for no target)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     missing = str(tmp_path / "missing")
-    assert main(["--target", missing, "--draft", missing]) == 1
+    port = ["--port", str(free_port())]  # the port is checked first: one that is free
+    assert main(["--target", missing, "--draft", missing, *port]) == 1
     err = capsys.readouterr().err
     assert err.startswith("dflash-serve: error: target") and err.count("\n") == 1
     # A hub id that cannot be fetched (tests run with HF_HUB_OFFLINE=1).
-    assert main(["--target", "nobody-xyz/model", "--draft", "nobody-xyz/drafter"]) == 1
+    assert main(["--target", "nobody-xyz/model", "--draft", "nobody-xyz/drafter", *port]) == 1
     err = capsys.readouterr().err
     assert "nobody-xyz/model" in err and err.count("\n") == 1 and "Traceback" not in err
 
@@ -179,3 +189,69 @@ def test_help_lists_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     out = capsys.readouterr().out
     assert "convert" in out and "train" in out
+
+
+def test_busy_port_is_one_line_before_any_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        missing = "/no/such/model"  # never looked at: the port comes first
+        assert main(["--target", missing, "--draft", missing, "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 is already in use" in err
+    assert "--port" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_ready_is_logged_when_health_is_200(tiny_hybrid_path: Path, draft_path: Path) -> None:
+    """The "ready" line comes after every load-time measurement: a request it invites is served.
+    A --context-length above the model's limit is reported as capped."""
+    port = free_port()
+    args = ["--target", str(tiny_hybrid_path), "--draft", str(draft_path), "--port", str(port)]
+    server = ServeProcess([*args, "--context-length", "100000000"], slow=2)
+    try:
+        server.wait_for("ready: serving")
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        code, _ = server.stop(signal.SIGINT)
+    finally:
+        server.kill()
+    assert code == 0, server.output
+    assert "measuring pass costs" in server.output
+    assert "--context-length 100000000 is above the model's limit: capped to 32768" in server.output
+
+
+def test_version_and_mistyped_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("dflash-serve 0.")
+    assert main(["bnech", "--config", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-serve: error: no subcommand 'bnech' (did you mean 'bench'?)")
+    assert all(name in err for name in ("convert", "train", "export", "bench"))
+    assert err.count("\n") <= 6  # not the usage of every flag
+    with pytest.raises(SystemExit) as exit_:
+        main(["--prot", "9000"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --prot" in err
+
+
+def test_slow_blas_is_named_with_the_fix(tmp_path: Path) -> None:
+    """On Linux without OpenBLAS in the process, start-up says what to install and set."""
+    from dflash_server.engine.blas import blas_hint
+
+    maps = tmp_path / "maps"
+    wheel_blas = "7f50-7f51 r-xp 0 fe:00 1 /venv/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
+    numpy_own = "7f52-7f53 r-xp 0 fe:00 2 /venv/numpy.libs/libscipy_openblas64_-32a4b2a6.so"
+    maps.write_text(f"{wheel_blas}\n{numpy_own}\n")
+    if sys.platform != "linux":
+        assert blas_hint(maps) is None
+        return
+    hint = blas_hint(maps)
+    assert hint is not None and "apt-get install libopenblas0-pthread" in hint
+    assert "LD_PRELOAD=" in hint and "\n" not in hint
+    openblas = (
+        "7f54-7f55 r-xp 0 fe:00 3 /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    )
+    maps.write_text(f"{wheel_blas}\n{openblas}\n")
+    assert blas_hint(maps) is None

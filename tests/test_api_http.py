@@ -190,6 +190,19 @@ def test_health(server: RunningServer) -> None:
     assert body["status"] == "ready" and body["models"] == ["tiny"]
     assert body["queue_depth"] == 0 and body["block_size"] == 8 and body["context_length"] == 96
     assert body["batching"] == "batched" and body["active_rows"] == 0
+    # What a request gets for the fields it leaves out (the chat page shows them).
+    defaults = body["defaults"]
+    assert defaults["temperature"] == 1.0 and defaults["enable_thinking"] is True
+    assert defaults["max_tokens"] is None and defaults["block_size"] == "auto"
+    assert defaults["speculative"] is True and {"top_p", "top_k", "min_p"} <= set(defaults)
+
+
+def test_head_of_the_chat_page(server: RunningServer) -> None:
+    """HEAD / answers as GET / does (uptime checks use it), without the body."""
+    get, head = httpx.get(f"{server.base_url}/"), httpx.head(f"{server.base_url}/")
+    assert head.status_code == get.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert head.headers["content-length"] == str(len(get.content))
 
 
 def test_cors(server: RunningServer) -> None:
@@ -253,7 +266,8 @@ def _stream_deltas(base: str, body: dict[str, Any]) -> tuple[str, str, list[str]
     ("thinking", "pieces", "reasoning", "content"),
     [
         (True, ["Let me th", "ink.\n</th", "ink>\n", "\nParis", "."], "Let me think.\n", "Paris."),
-        (False, ["<thi", "nk>\nhmm</think>", "\n\nParis."], "hmm", "Paris."),
+        # Thinking off: a <think> the model writes anyway is answer text, never reasoning.
+        (False, ["<thi", "nk>\nhmm</think>", "\n\nParis."], "", "<think>\nhmm</think>\n\nParis."),
         (False, ["Par", "is", "."], "", "Paris."),
     ],
 )

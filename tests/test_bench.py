@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
 from dflash_server.cli import main
+from dflash_server.tools.bench import Run, summarize, verdict
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +62,32 @@ def test_bench_concurrency(pair: list[str], capsys: pytest.CaptureFixture[str]) 
     assert "clients | mode | total tok/s" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="client counts"):
         main(["bench", *pair, "--concurrency", "four"])
+
+
+def test_each_run_is_compared_with_the_plain_run_beside_it() -> None:
+    def run(rate: float) -> Run:  # decode tokens/s = rate
+        return Run(tokens=101, decode_s=100 / rate, ttft_s=0.1)
+
+    runs = {
+        "plain": {"a": [run(10), run(20)], "b": [run(10), run(10)]},
+        "auto": {"a": [run(12), run(18)], "b": [run(11), run(10)]},
+    }
+    rows = {r["mode"]: r for r in summarize(runs, ["plain", "auto"])}
+    assert rows["auto"]["speedup_runs"] == [1.2, 0.9, 1.1, 1.0]
+    assert rows["plain"]["speedup_runs"] == [1.0] * 4
+
+
+def _row(mode: str, runs: list[float]) -> dict[str, object]:
+    return {"mode": mode, "speedup": statistics.median(runs), "speedup_runs": runs}
+
+
+def test_verdict_names_a_best_only_outside_the_noise() -> None:
+    plain = _row("plain", [1.0, 1.0, 1.0])
+    # The reported case: a median x1.13 from a mode that decoded plainly, one run slower.
+    noisy = verdict([plain, _row("auto", [0.96, 1.13, 1.31]), _row("16", [0.7, 0.8, 1.05])])
+    assert noisy.startswith("no block size beats plain decoding in every run")
+    assert "best: auto, x1.13; x0.96 to x1.31 over 3 runs" in noisy
+    clear = verdict([plain, _row("auto", [1.05, 1.13, 1.31]), _row("16", [0.99, 1.5, 1.6])])
+    assert clear == "best: block size auto, x1.13 over plain decoding (x1.05 to x1.31 over 3 runs)"
+    assert verdict([plain, _row("auto", [0.8, 0.9, 0.95])]).startswith("DFlash does not pay")
+    assert "cannot tell" in verdict([_row("plain", [1.0]), _row("auto", [1.5])])

@@ -10,16 +10,10 @@ from typing import Any
 import pytest
 
 from dflash_server.chat.prompts import render_chat, render_completion
-from dflash_server.chat.reasoning import ReasoningSplitter, split_reasoning
+from dflash_server.chat.reasoning import ReasoningSplitter, joined, split_reasoning
+from dflash_server.engine.jobs import EngineNotReady, Failed, Finished, QueueFull, TextChunk
 from dflash_server.engine.loader import LoadedModels, ModelLoadError, load_models, resolve_model
-from dflash_server.engine.worker import (
-    Engine,
-    EngineNotReady,
-    Failed,
-    Finished,
-    QueueFull,
-    TextChunk,
-)
+from dflash_server.engine.worker import Engine
 from server_fixtures import ScriptedGenerate, drain, make_job, start_engine
 
 # ----- reasoning split ---------------------------------------------------------------------
@@ -51,10 +45,10 @@ def test_split_any_chunking(opens: bool, text: str, reasoning: str, content: str
         splitter = ReasoningSplitter(opens)
         out_r, out_c = "", ""
         for piece in pieces:
-            r, c = splitter.feed(piece)
+            r, c = joined(splitter.feed(piece))
             out_r, out_c = out_r + r, out_c + c
             assert "<think>" not in c and "</think>" not in c
-        r, c = splitter.finish()
+        r, c = joined(splitter.finish())
         assert (out_r + r, out_c + c) == (reasoning, content), pieces
 
 
@@ -109,6 +103,22 @@ def test_missing_models_are_one_line_errors(tmp_path: Path) -> None:
     assert "\n" not in str(info.value) and "nobody-xyz/no-such-model" in str(info.value)
     with pytest.raises(ModelLoadError, match="cannot load target"):
         load_models(str(tmp_path), None)  # an empty folder
+
+
+def test_long_prompts_bring_no_tokenizer_warning(
+    tiny_hybrid_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The context limit is the model's: a smaller tokenizer ``model_max_length`` warns of
+    nothing (transformers' "indexing errors" warning misled users on long prompts)."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(tiny_hybrid_path, tmp_path / "short-tokenizer")
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 64}))
+    pair = load_models(str(folder), None, measure=False).pair
+    assert len(pair.tokenizer.encode("hello world " * 100)) > 64
+    assert not [r for r in caplog.records if "sequence length" in r.getMessage()]
 
 
 def _engine(models: LoadedModels, gen: Any, max_queue: int = 4) -> Engine:

@@ -168,3 +168,19 @@ def test_dflash_serve_export_subcommand(capsys: pytest.CaptureFixture[str]) -> N
     assert cli_main(["export", "sglang", "--config", "qwen3.5-9b"]) == 0
     out = capsys.readouterr().out
     assert "--model-path Qwen/Qwen3.5-9B" in out and "z-lab/Qwen3.5-9B-DFlash" in out
+
+
+def test_mtp_and_no_drafter_export(capsys: pytest.CaptureFixture[str]) -> None:
+    """The checkpoint's own head exports as vLLM's "mtp" method and SGLang's NEXTN; no drafter
+    exports no speculation at all."""
+    argv, notes = run(capsys, "vllm", "--config", "qwen3.5-4b-mtp")
+    assert json.loads(flags(argv)["--speculative-config"] or "") == {
+        "method": "mtp", "num_speculative_tokens": 3
+    }  # fmt: skip
+    assert "DFlash" not in notes
+    argv, _ = run(capsys, "sglang", "--config", "qwen3.5-4b-mtp", "--block-size", "3")
+    got = flags(argv)
+    assert got["--speculative-algorithm"] == "NEXTN" and got["--speculative-num-steps"] == "2"
+    for engine in ("vllm", "sglang"):
+        argv, _ = run(capsys, engine, "--target", "Qwen/Qwen3.5-4B")
+        assert not any(a.startswith("--speculative") for a in argv), argv

@@ -62,7 +62,7 @@ def test_rollback_equals_fresh_prefill(request, monkeypatch, arch, accepted):
         assert a.shape == b.shape
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
     # The drafter's context now covers exactly the committed positions.
-    assert sum(piece.shape[1] for piece in row._context) == accepted + 1
+    assert sum(taps.shape[1] for taps, _ in row._context) == accepted + 1
 
 
 @pytest.mark.parametrize("gates", ["mixed", "closed", "open"])

@@ -10,14 +10,9 @@ from typing import Any
 
 import pytest
 
+from dflash_server.engine.jobs import Failed, Finished, QueueFull, TextChunk
 from dflash_server.engine.loader import LoadedModels, load_models
-from dflash_server.engine.worker import (
-    Engine,
-    Failed,
-    Finished,
-    QueueFull,
-    TextChunk,
-)
+from dflash_server.engine.worker import Engine
 from server_fixtures import (
     ScriptedGenerate,
     build_draft,

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server_fixtures import free_port
+from server_fixtures import ServeProcess, free_port
 
 # The real CLI, with generation slowed (50 ms per cycle) so requests are still running at the signal.
 LAUNCH = """
@@ -89,7 +89,14 @@ def test_signal_ends_every_stream_with_a_final_event(
             blocking.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60))
 
         threads.append(threading.Thread(target=whole))
-        for t in threads:
+        # The non-streamed one first, in the engine before the signal (else it may connect after
+        # the listener closed: a refused connection, not the 503 checked below).
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{base}/health", timeout=5).json()["queue_depth"] < 1:
+            assert time.monotonic() < deadline, "the non-streamed request never arrived"
+            time.sleep(0.05)
+        for t in threads[:-1]:
             t.start()
         assert long_started.wait(30) and short_started.wait(30)
         proc.send_signal(sig)
@@ -111,3 +118,20 @@ def test_signal_ends_every_stream_with_a_final_event(
     assert long_out[-2]["error"]["code"] == "server_shutdown"
     assert blocking and blocking[0].status_code == 503
     assert blocking[0].json()["error"]["code"] == "server_shutdown"
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_loading_stops_at_once(tiny_hybrid_path: Path, draft_path: Path) -> None:
+    """Ctrl-C while the models load (two minutes of load-time measuring here) ends the process
+    at once with 130: no waiting for the measurements, no C++ abort from under the worker."""
+    args = ["--target", str(tiny_hybrid_path), "--draft", str(draft_path)]
+    server = ServeProcess([*args, "--port", str(free_port())], slow=120)
+    try:
+        server.wait_for("measuring pass costs")
+        code, seconds = server.stop(signal.SIGINT)
+    finally:
+        server.kill()
+    # Not a speed test: loading had two minutes to go; waiting for it took 20 s, then aborted.
+    assert code == 130 and seconds < 10, (code, seconds, server.output)
+    assert "stopped while loading the models" in server.output
+    assert "terminate called" not in server.output and "Traceback" not in server.output

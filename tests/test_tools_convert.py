@@ -88,3 +88,20 @@ def test_cli_report_and_errors(drafter_dir, tiny_hybrid_path, tmp_path, capsys):
     assert main([str(tmp_path / "missing"), "--out", str(tmp_path / "y"), "--q-bits", "4"]) != 0
     with pytest.raises(SystemExit):  # argparse: bits outside 4|5|6|8
         main([str(drafter_dir), "--out", str(tmp_path / "z"), "--q-bits", "3"])
+
+
+def test_out_with_files_needs_force_and_model_errors_are_one_line(drafter_dir, tmp_path, capsys):
+    out = tmp_path / "bf16"
+    argv = [str(drafter_dir), "--out", str(out), "--dtype", "bfloat16"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 2  # a second run would overwrite the first one's folder
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds files: pass --force" in err
+    assert main([*argv, "--force"]) == 0
+    capsys.readouterr()
+    # As dflash-serve words them: a missing folder, a hub id with the hub unreachable (offline).
+    for source, needle in ((tmp_path / "missing", "no such folder"), ("nobody-xyz/d", "hub is")):
+        assert main([str(source), "--out", str(tmp_path / "x"), "--q-bits", "4"]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1 and "Traceback" not in err

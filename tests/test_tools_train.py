@@ -165,3 +165,20 @@ def test_bad_inputs_give_clear_errors(trained_target, tiny_hybrid, tmp_path, cap
     assert "--seq-len 4" in capsys.readouterr().err
     assert main([*base, "--data", str(data), "--resume"]) == 2
     assert "no training/trainer_state.json" in capsys.readouterr().err
+
+
+def test_out_with_files_and_model_errors(trained_target, tmp_path, capsys):
+    """An --out that holds files needs --force (or --resume); a target that is not there is one
+    line, as dflash-serve words it. Both before anything loads."""
+    target, data = trained_target
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("an earlier run's folder")
+    base = ["--data", str(data), "--out", str(out), *FAST, "--steps", "1"]
+    assert main(["--target", str(target), *base]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass --force" in err and "--resume" in err
+    for missing, needle in ((tmp_path / "missing", "no such folder"), ("nobody-xyz/t", "hub is")):
+        assert main(["--target", str(missing), *base, "--force"]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1 and "Traceback" not in err

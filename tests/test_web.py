@@ -71,7 +71,7 @@ class Generate:
 
     def __init__(self) -> None:
         self.script = ScriptedGenerate(SCRIPT, delay=0.25)
-        self.slow = ScriptedGenerate(["word "] * 300, delay=0.05)
+        self.slow = ScriptedGenerate(["word "] * 300, delay=0.05, source="target")
 
     def __call__(self, models: Any, request: Any) -> Any:
         prompt = models.pair.tokenizer.decode(list(request.prompt))
@@ -138,6 +138,10 @@ class Page:
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
         self.page.goto(base + "/")
+        self.ready()
+
+    def ready(self) -> None:
+        """Wait until the page has heard from /health."""
         self.page.wait_for_function(
             "() => document.getElementById('server-status').textContent.includes('ready')"
         )
@@ -149,7 +153,7 @@ class Page:
         p.fill("#api-key", key)
         p.fill("#temperature", "0")
         p.fill("#max-tokens", max_tokens)
-        p.set_checked("#thinking", thinking)
+        p.select_option("#thinking", "on" if thinking else "off")
 
     def send(self, text: str) -> Any:
         self.page.fill("#prompt", text)
@@ -162,6 +166,12 @@ class Page:
 
     def close(self) -> None:
         self.context.close()
+
+
+def _stats(answer: Any) -> dict[str, str]:
+    """An answer's stats line, label -> value."""
+    items = answer.locator(".stats dl div").all()
+    return {i.locator("dt").inner_text(): i.locator("dd").inner_text() for i in items}
 
 
 def test_page_loads_without_key_and_streams_with_stats(browser: Any, server: RunningServer) -> None:
@@ -262,7 +272,87 @@ def test_stop_cancels_the_request_on_the_server(
     while generate.slow.closed_early < 1:  # the server stopped generating
         assert time.monotonic() < deadline, "generation went on after Stop"
         time.sleep(0.05)
-    assert answer.locator(".content").inner_text().count("word") < 300
+    words = answer.locator(".content").inner_text().count("word")
+    assert words < 300
+    # What was measured before Stop: the tokens that came, their rate, the time it ran.
+    stats = _stats(answer)
+    assert stats["tokens"] == str(words), stats
+    assert float(stats["tok/s"]) > 0 and stats["elapsed"].endswith(" s") and "TTFT" in stats
+    assert page.errors == []
+    page.close()
+
+
+def test_answer_shows_once_with_a_token_legend(browser: Any, server: RunningServer) -> None:
+    """The tokens tinted by source are the answer again: folded, under their legend."""
+    page = Page(browser, server.base_url)
+    p = page.page
+    page.configure(thinking=False)
+    answer = page.send("say something")
+    page.wait_done()
+    assert answer.locator(".content").inner_text().strip()
+    tokens = answer.locator("details.tokens")
+    assert not tokens.evaluate("d => d.open") and not answer.locator(".tok-text").is_visible()
+    legend = tokens.locator(".key").all()  # "swatch draft" -> "accepted draft: 7"
+    counts = {k.locator(".swatch").get_attribute("class")[7:]: k.inner_text() for k in legend}
+    assert "target" in counts and set(counts) <= {"draft", "suffix", "target"}, counts
+    total = sum(int(text.rsplit(":", 1)[1]) for text in counts.values())
+    assert total == answer.locator(".tok").count() and _stats(answer)["tokens"] == str(total)
+    # Opened, the tinted tokens show, and stay open while the conversation re-renders.
+    tokens.locator("summary").click()
+    assert answer.locator(".tok-text").is_visible()
+    page.send("more")
+    page.wait_done()
+    p.wait_for_function("() => document.querySelectorAll('article.msg.assistant').length === 2")
+    assert p.locator("article.msg.assistant").first.locator(".tok-text").is_visible()
+    assert page.errors == []
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def defaults_server(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[RunningServer]:
+    """A server started with temperature 0 and thinking off, and no API key."""
+    app = make_app(
+        tiny_hybrid_path,
+        draft_path,
+        generate=ScriptedGenerate(["Hi."]),
+        served_model_name="tiny",
+        temperature=0.0,
+        enable_thinking=False,
+    )
+    with run_server(app) as srv:
+        yield srv
+
+
+def test_page_shows_server_defaults_and_sends_only_what_the_user_set(
+    browser: Any, defaults_server: RunningServer
+) -> None:
+    page = Page(browser, defaults_server.base_url)
+    p = page.page
+    sent: list[dict[str, Any]] = []
+    p.on("request", lambda r: sent.append(json.loads(r.post_data)) if r.method == "POST" else None)
+    assert p.locator("#thinking option").first.inner_text() == "server default (off)"
+    assert p.get_attribute("#temperature", "placeholder") == "server default: 0"
+    assert p.get_attribute("#block-size", "placeholder") == "server default: auto"
+    assert p.get_attribute("#max-tokens", "placeholder") == "server default: no limit"
+
+    def ask(text: str) -> dict[str, Any]:
+        page.send(text)
+        page.wait_done()
+        return sent[-1]
+
+    untouched = ask("hello")
+    assert not {"temperature", "chat_template_kwargs", "max_tokens"} & set(untouched), untouched
+    p.fill("#temperature", "0.5")
+    p.select_option("#thinking", "on")
+    chosen = ask("again")
+    assert chosen["temperature"] == 0.5 and chosen["chat_template_kwargs"]["enable_thinking"]
+    # Choices survive a reload; emptied again, the field is the server's once more.
+    p.reload()
+    page.ready()
+    assert p.input_value("#temperature") == "0.5" and p.input_value("#thinking") == "on"
+    p.fill("#temperature", "")
+    p.select_option("#thinking", "")
+    assert "temperature" not in ask("last") and "chat_template_kwargs" not in sent[-1]
     assert page.errors == []
     page.close()
 

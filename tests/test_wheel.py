@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from server_fixtures import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # builds a wheel and a venv, runs the CLI four times
 
@@ -81,15 +83,27 @@ def test_the_wheel_ships_presets_and_the_chat_page(installed: tuple[Path, Path])
     assert "dflash_server/py.typed" in names
 
 
+def test_the_wheel_ships_the_license(installed: tuple[Path, Path]) -> None:
+    """The Apache-2.0 text that pyproject.toml declares, in the wheel's metadata."""
+    wheel, _ = installed
+    with zipfile.ZipFile(wheel) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        text = z.read(name).decode()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert text == (ROOT / "LICENSE").read_text()
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
+
+
 def test_dflash_serve_from_the_wheel(installed: tuple[Path, Path], tmp_path: Path) -> None:
     _, exe = installed
     help_ = _run(exe, "--help", cwd=tmp_path)
     assert help_.returncode == 0, help_.stderr
     assert "qwen3.5-9b" in help_.stdout  # the preset list in --config's help
 
-    # Offline, a preset resolves and the run stops at the hub, in one line.
+    # Offline, a preset resolves and the run stops at the hub, in one line (the port, checked
+    # first, is a free one).
     for args in ((), ("--config", "qwen3.5-9b")):
-        run = _run(exe, *args, cwd=tmp_path)
+        run = _run(exe, *args, "--port", str(free_port()), cwd=tmp_path)
         assert run.returncode == 1, run.stderr
         (line,) = run.stderr.strip().splitlines()
         assert "hub is unreachable" in line, line

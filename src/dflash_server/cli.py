@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import errno
 import logging
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from dflash_server.engine.blas import blas_hint
 from dflash_server.engine.loader import (
-    DRAFT_PATTERNS,
     TARGET_PATTERNS,
     ModelLoadError,
+    resolve_draft,
     resolve_model,
 )
 from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list_presets
@@ -94,16 +99,28 @@ def _number_or(words: list[str]) -> Any:
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistyped flag is a short error, not the usage line of every flag."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _subcommands() -> str:
+    tools = "\n".join(f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items())
+    return f"subcommands (dflash-serve NAME --help):\n{tools}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Flags generated from Settings; every one defaults to None (= not given) so lower
     settings layers can fill it."""
-    tools = "\n".join(f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items())
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="dflash-serve",
         description="OpenAI-compatible server for DFlash speculative decoding on MLX. "
         "Flags override DFLASH_* environment variables, which override --config; with no model "
-        f"named anywhere the '{DEFAULT_PRESET}' preset is used.",
-        epilog=f"subcommands (dflash-serve NAME --help):\n{tools}",
+        f"named anywhere the '{DEFAULT_PRESET}' preset is used. "
+        "dflash-serve --version prints the version.",
+        epilog=_subcommands(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=None,
     )
@@ -136,8 +153,57 @@ def load_settings(argv: Sequence[str] | None = None) -> Settings:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err.get("loc", ()))
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        flag = f"--{field.replace('_', '-')}: " if field else ""
-        raise SettingsError(f"{flag}{msg}") from None
+        where = f"{_source(field, args)}: " if field else ""
+        raise SettingsError(f"{where}{msg}") from None
+
+
+def _source(field: str, args: dict[str, Any]) -> str:
+    """Where a setting's value came from, as the user wrote it: flag, variable or config key."""
+    variable = f"DFLASH_{field.upper()}"
+    config = args.get("config") or os.environ.get("DFLASH_CONFIG")
+    if args.get(field) is None and variable in os.environ:
+        return f"{variable}={os.environ[variable]!r}"
+    if args.get(field) is None and config:
+        return f"{field!r} in {config}"
+    return _flag(field)
+
+
+def listen_error(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (found by binding it now, before minutes
+    of loading), or None."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host {host!r}: {exc.strerror}"
+    for family, kind, proto, _, address in addresses:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this machine lacks (IPv6 off): uvicorn skips it too
+            continue
+        with sock:
+            # Bound as asyncio binds uvicorn's sockets, so the test fails exactly when it would.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (
+                        f"port {port} on {host} is already in use (another dflash-serve?): stop "
+                        "that server, or choose another port with --port"
+                    )
+                return f"cannot listen on {host}:{port}: {exc.strerror} (check --host)"
+    return None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dflash-server")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree, not installed
+        return "unknown (not installed)"
 
 
 def _uvicorn_log_config(level: str) -> dict[str, Any]:
@@ -159,24 +225,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(SUBCOMMANDS[args[0]][0]).main(args[1:])
+    if args and not args[0].startswith("-"):  # the server takes no positional arguments
+        close = difflib.get_close_matches(args[0], SUBCOMMANDS, n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"dflash-serve: error: no subcommand {args[0]!r}{guess}", file=sys.stderr)
+        print(_subcommands(), file=sys.stderr)
+        return 2
+    if "--version" in args:
+        print(f"dflash-serve {_version()}")
+        return 0
     try:
-        settings = load_settings(argv)
+        settings = load_settings(args)
     except SettingsError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 2
+    if (problem := listen_error(settings.host, settings.port)) is not None:
+        print(f"dflash-serve: error: {problem}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:  %(message)s")
     try:
         # Download before the server starts: progress bars go to the console and a bad id
         # fails here, in one line, instead of inside a running server.
         target_path = resolve_model(str(settings.target), "target", TARGET_PATTERNS)
-        draft_path = resolve_model(str(settings.draft), "draft", DRAFT_PATTERNS)
+        draft_path = resolve_draft(settings.drafter)
     except ModelLoadError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 1
-    return serve(settings, str(target_path), str(draft_path))
+    return serve(settings, str(target_path), draft_path)
 
 
-def serve(settings: Settings, target_path: str, draft_path: str) -> int:
+def serve(settings: Settings, target_path: str, draft_path: str | None) -> int:
     """Run uvicorn until shutdown; the engine loads the models on its worker meanwhile."""
     import uvicorn
 
@@ -192,6 +270,8 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
         if server is not None:
             server.should_exit = True
 
+    if (hint := blas_hint()) is not None:
+        log.warning("%s", hint)
     metrics = Metrics() if settings.metrics else None
     engine = build_engine(
         settings,
@@ -211,10 +291,16 @@ def serve(settings: Settings, target_path: str, draft_path: str) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_timeout) + 10,
     )
     server = GracefulServer(config, engine, settings.shutdown_timeout)
-    log.info("loading %s + %s", settings.target, settings.draft)
+    log.info("loading %s + %s", settings.target, settings.drafter or "no drafter")
     # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
+    if engine.loading:
+        # Stopped while loading: the worker is inside MLX and cannot be interrupted, and
+        # finalizing the interpreter under it aborts in C++; so the process ends here, at once.
+        log.info("stopped while loading the models")
+        logging.shutdown()
+        os._exit(130)
     if failure:
         print(f"dflash-serve: error: {failure[0]}", file=sys.stderr)
         return 1

@@ -129,7 +129,10 @@ class Settings(BaseSettings, _SamplingDefaults):
         None, description="target model: hub id or local MLX folder (default: the preset's)"
     )
     draft: str | None = Field(
-        None, description="DFlash drafter: hub id or local folder (give both or neither)"
+        None,
+        description="drafter: a DFlash drafter (hub id or local folder), 'mtp' (the target "
+        "checkpoint's own MTP head) or 'none' (suffix drafts and plain decoding); "
+        "default: the preset's, or none with --target",
     )
     served_model_name: str | None = Field(
         None, description="model id shown by /v1/models (default: last part of --target)"
@@ -278,13 +281,19 @@ class Settings(BaseSettings, _SamplingDefaults):
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
-        if (self.target is None) != (self.draft is None):
-            given, missing = ("target", "draft") if self.draft is None else ("draft", "target")
+        if self.target is None and self.draft is not None:
             raise SettingsError(
-                f"--{given} was given without --{missing}: pass both, or neither to use the "
-                f"default preset ({DEFAULT_PRESET})"
+                "--draft was given without --target: pass the target it drafts for, or neither "
+                f"to use the default preset ({DEFAULT_PRESET})"
             )
         return self
+
+    @property
+    def drafter(self) -> str | None:
+        """The drafter to load: a hub id or folder, ``"mtp"``, or None (no drafter)."""
+        if self.draft is None or self.draft.lower() == "none":
+            return None
+        return "mtp" if self.draft.lower() == "mtp" else self.draft
 
     @classmethod
     def settings_customise_sources(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol
@@ -21,7 +21,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared
-from dflash_server.chat.reasoning import ReasoningSplitter, think_markers
+from dflash_server.chat.reasoning import ReasoningSplitter, Segment, think_markers
 from dflash_server.chat.tool_calls import ToolCall, ToolCallParser
 from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
 from dflash_server.settings import Settings
@@ -203,19 +203,26 @@ def dflash_stats(done: Finished) -> dict[str, Any]:
     return out
 
 
+# A piece of an answer, in output order: reasoning or content text, or a complete tool call.
+Part = Segment | ToolCall
+
+
 class ChatText:
-    """Model text -> reasoning, content and tool calls, incrementally.
+    """Model text -> reasoning, content and tool calls, incrementally and in output order.
 
     Tool calls are cut out first, so their markup never reaches either text field, also when
-    the model calls from inside its reasoning; the rest is split at the think markers. A call
-    left unfinished at the end is dropped (counted in ``dropped``), never shown as markup.
-    When a grammar writes the answer (``Prepared.forced``), only the answer's calls count: the
-    reasoning is split off first and stays text, whatever markup it holds.
+    the model calls from inside its reasoning; the rest is split at the think markers (not with
+    thinking off: then it is all content). A call left unfinished at the end is dropped
+    (counted in ``dropped``), never shown as markup. When a grammar writes the answer
+    (``Prepared.forced``), only the answer's calls count: the reasoning is split off first and
+    stays text, whatever markup it holds. The parts come out in the order the model wrote
+    them whatever the text's chunking, so a stream and a whole answer hold the same blocks.
     """
 
     def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
         start, end = think_markers(tokenizer)
-        self.splitter = ReasoningSplitter(prepared.request.reasoning.opens, start, end)
+        opens = prepared.request.reasoning.opens
+        self.splitter = ReasoningSplitter(opens, start, end, thinking=prepared.thinking)
         self.tools = (
             ToolCallParser(prepared.tools, prepared.parallel_tool_calls, end)
             if prepared.tools
@@ -223,42 +230,36 @@ class ChatText:
         )
         self.answer_calls_only = prepared.forced
 
-    def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
-        """(reasoning, content, complete calls) that are safe to send now."""
+    def feed(self, text: str) -> list[Part]:
+        """The parts that are safe to send now."""
         if self.answer_calls_only:
-            return self._answer_calls(*self.splitter.feed(text))
+            return self._answer_calls(self.splitter.feed(text))
         return self._split(self.tools.feed(text) if self.tools is not None else [text])
 
-    def finish(self, reason: str) -> tuple[str, str, list[ToolCall]]:
+    def finish(self, reason: str) -> list[Part]:
         """What was held back, once the output ended with finish ``reason``."""
         cut = reason == "length"
         if self.answer_calls_only:
-            return self._answer_calls(*self.splitter.finish(), cut=cut)
-        reasoning, content, calls = self._split(
-            self.tools.finish(cut) if self.tools is not None else []
-        )
-        r, c = self.splitter.finish()
-        return reasoning + r, content + c, calls
+            return self._answer_calls(self.splitter.finish(), cut=cut)
+        rest = self.tools.finish(cut) if self.tools is not None else []
+        return _joined([*self._split(rest), *self.splitter.finish()])
 
-    def _answer_calls(
-        self, reasoning: str, content: str, cut: bool | None = None
-    ) -> tuple[str, str, list[ToolCall]]:
+    def _answer_calls(self, segments: list[Segment], cut: bool | None = None) -> list[Part]:
         """Calls out of the answer text only; ``cut`` set: the output's end."""
         if self.tools is None:
-            return reasoning, content, []
-        pieces = self.tools.feed(content) + ([] if cut is None else self.tools.finish(cut))
-        text = "".join(p for p in pieces if isinstance(p, str))
-        return reasoning, text, [p for p in pieces if isinstance(p, ToolCall)]
+            return _joined(segments)
+        parts: list[Part] = []
+        for kind, text in segments:
+            parts += [(kind, text)] if kind == "reasoning" else _content(self.tools.feed(text))
+        if cut is not None:
+            parts += _content(self.tools.finish(cut))
+        return _joined(parts)
 
-    def _split(self, pieces: list[str | ToolCall]) -> tuple[str, str, list[ToolCall]]:
-        reasoning, content, calls = "", "", []
+    def _split(self, pieces: list[str | ToolCall]) -> list[Part]:
+        parts: list[Part] = []
         for piece in pieces:
-            if isinstance(piece, ToolCall):
-                calls.append(piece)
-                continue
-            r, c = self.splitter.feed(piece)
-            reasoning, content = reasoning + r, content + c
-        return reasoning, content, calls
+            parts += [piece] if isinstance(piece, ToolCall) else self.splitter.feed(piece)
+        return _joined(parts)
 
     @property
     def called(self) -> bool:
@@ -287,3 +288,19 @@ class ChatText:
     def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         """The ``dflash`` stats, saying when an unfinished call was left out."""
         return stats | {"dropped_tool_calls": self.dropped} if self.dropped else stats
+
+
+def _content(pieces: list[str | ToolCall]) -> list[Part]:
+    return [("content", p) if isinstance(p, str) else p for p in pieces]
+
+
+def _joined(parts: Sequence[Part]) -> list[Part]:
+    """``parts`` with neighbouring text of the same kind joined."""
+    out: list[Part] = []
+    for part in parts:
+        last = out[-1] if out else None
+        if isinstance(part, tuple) and isinstance(last, tuple) and last[0] == part[0]:
+            out[-1] = (part[0], last[1] + part[1])
+        else:
+            out.append(part)
+    return out

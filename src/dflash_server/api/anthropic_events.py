@@ -15,7 +15,7 @@ import json
 import uuid
 from typing import Any, ClassVar
 
-from dflash_server.api.answers import ChatText, Wire, dflash_stats
+from dflash_server.api.answers import ChatText, Part, Wire, dflash_stats
 from dflash_server.api.anthropic import sign_thinking
 from dflash_server.api.errors import anthropic_error
 from dflash_server.api.prepare import Prepared
@@ -54,12 +54,12 @@ class MessageShaper:
         return [{"type": "message_start", "message": dict(self.message)}, {"type": "ping"}]
 
     def feed(self, text: TextChunk) -> list[Event]:
-        return self._pieces(*self.chat.feed(text.text))
+        return self._parts(self.chat.feed(text.text))
 
     def finish(self, done: Finished) -> list[Event]:
         """The held-back text, the last block closed, then the message's end."""
         reason = done.finish_reason
-        events = self._pieces(*self.chat.finish(reason)) + self._close()
+        events = self._parts(self.chat.finish(reason)) + self._close()
         self.message |= {
             "content": self.blocks,
             "stop_reason": self.stop_reason(reason, done.stop_sequence),
@@ -87,20 +87,28 @@ class MessageShaper:
             return "max_tokens"
         return "tool_use" if self.chat.called else "end_turn"
 
-    def _pieces(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[Event]:
-        events = self._append("thinking", reasoning) + self._append("text", content)
-        for call in calls:
-            events += self._close()
-            block = {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}"}
-            block |= {"name": call.name, "input": json.loads(call.arguments)}
-            self.blocks.append(block)
-            index = len(self.blocks) - 1
-            events += [
-                _start(index, block | {"input": {}}),
-                _delta(index, {"type": "input_json_delta", "partial_json": call.arguments}),
-                {"type": "content_block_stop", "index": index},
-            ]
+    def _parts(self, parts: list[Part]) -> list[Event]:
+        events: list[Event] = []
+        for part in parts:
+            if isinstance(part, ToolCall):
+                events += self._call(part)
+            else:
+                kind, text = part
+                events += self._append("text" if kind == "content" else "thinking", text)
         return events
+
+    def _call(self, call: ToolCall) -> list[Event]:
+        events = self._close()
+        block = {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}"}
+        block |= {"name": call.name, "input": json.loads(call.arguments)}
+        self.blocks.append(block)
+        index = len(self.blocks) - 1
+        return [
+            *events,
+            _start(index, block | {"input": {}}),
+            _delta(index, {"type": "input_json_delta", "partial_json": call.arguments}),
+            {"type": "content_block_stop", "index": index},
+        ]
 
     def _append(self, kind: str, text: str) -> list[Event]:
         if not text:

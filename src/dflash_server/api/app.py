@@ -46,10 +46,10 @@ def build_engine(
     def loader() -> LoadedModels:
         models = load_models(
             target_path or str(settings.target),
-            draft_path or settings.draft,
+            draft_path or settings.drafter,
             settings.context_length,
             target_label=settings.target,
-            draft_label=settings.draft,
+            draft_label=settings.drafter,
             draft_window=settings.draft_window,
             suffix_tokens=settings.suffix_tokens,
             suffix_cache_bytes=settings.suffix_cache_bytes,
@@ -66,6 +66,12 @@ def build_engine(
                 settings.max_image_pixels,
                 remote,
             )
+        if settings.context_length and settings.context_length > models.summary.context_length:
+            log.warning(
+                "--context-length %d is above the model's limit: capped to %d",
+                settings.context_length,
+                models.summary.context_length,
+            )
         if prefix_cache is None:
             log.info("prefix cache: off")
         else:
@@ -73,10 +79,12 @@ def build_engine(
                 folder, budget = settings.prefix_cache_dir, settings.prefix_cache_disk_bytes
                 prefix_cache.add_disk(PrefixDisk(folder, budget, models.summary.fingerprint))
             log.info("prefix cache: %s", prefix_cache.describe())
+        return models
+
+    def ready() -> None:  # the engine calls it once /health says 200, not before
         log.info(
             "ready: serving %r at http://%s:%d/v1", settings.model_id, settings.host, settings.port
         )
-        return models
 
     return Engine(
         loader,
@@ -87,6 +95,7 @@ def build_engine(
         max_verify=settings.max_verify,
         generate=generate,
         on_fatal=on_fatal,
+        on_ready=ready,
         prefix_cache=prefix_cache,
         on_pass=metrics.observe_pass if metrics is not None else None,
     )

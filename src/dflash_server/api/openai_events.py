@@ -15,7 +15,7 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from dflash_server.api.answers import ChatText, Wire, dflash_stats
+from dflash_server.api.answers import ChatText, Part, Wire, dflash_stats
 from dflash_server.api.prepare import Prepared
 from dflash_server.chat.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from dflash_server.chat.tool_calls import ToolCall
@@ -191,23 +191,27 @@ class ChatShaper(_Completion):
         return [self.chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})]
 
     def _text(self, text: str) -> list[dict[str, Any]]:
-        return self._delta(*self.chat.feed(text))
+        return self._deltas(self.chat.feed(text))
 
     def _rest(self, reason: str) -> list[dict[str, Any]]:
-        return self._delta(*self.chat.finish(reason))
+        return self._deltas(self.chat.finish(reason))
 
-    def _delta(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        self.reasoning, self.content = self.reasoning + reasoning, self.content + content
-        delta: dict[str, Any] = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-            delta["reasoning"] = reasoning
-        if content:
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [c.as_openai(len(self.calls) + i) for i, c in enumerate(calls)]
-            self.calls += calls
-        return self._choice(delta=delta) if delta else []
+    def _deltas(self, parts: list[Part]) -> list[dict[str, Any]]:
+        """One chunk per part, in the order the model wrote them."""
+        out = []
+        for part in parts:
+            if isinstance(part, ToolCall):
+                out += self._choice(delta={"tool_calls": [part.as_openai(len(self.calls))]})
+                self.calls.append(part)
+                continue
+            kind, text = part
+            if kind == "reasoning":
+                self.reasoning += text
+                out += self._choice(delta={"reasoning_content": text, "reasoning": text})
+            else:
+                self.content += text
+                out += self._choice(delta={"content": text})
+        return out
 
     def _no_text(self) -> dict[str, Any]:
         return {"delta": {}}

@@ -101,6 +101,10 @@ class ResponsesRequest(_Request):
         return "message.output_text.logprobs" in (self.include or [])
 
 
+# The extension fields a Responses request may carry, passed on to its chat request.
+PASSED_ON = extensions(ResponsesRequest, *THINKING_EXTENSIONS)
+
+
 # ----- the store ---------------------------------------------------------------------------
 
 
@@ -241,7 +245,7 @@ def to_chat(
         data |= {"logprobs": True, "top_logprobs": req.top_logprobs}
     if req.reasoning is not None and req.reasoning.effort is not None:
         data["reasoning_effort"] = req.reasoning.effort
-    data |= {k: extra[k] for k in extensions(type(req), *THINKING_EXTENSIONS) if k in extra}
+    data |= {k: extra[k] for k in PASSED_ON if k in extra}
     return chat_request(data)
 
 

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from dflash_server.api.answers import ChatText, Wire, dflash_stats
+from dflash_server.api.answers import ChatText, Part, Wire, dflash_stats
 from dflash_server.api.openai_responses import ResponsesRequest, ResponseStore, Stored
 from dflash_server.api.openai_responses_tools import ResponseTools
 from dflash_server.api.prepare import Prepared
@@ -145,11 +145,11 @@ class ResponseShaper:
             self.reasoning_tokens += text.tokens
         elif self.logprobs is not None:
             self.logprobs += text.logprobs or []
-        return self._pieces(*self.chat.feed(text.text))
+        return self._parts(self.chat.feed(text.text))
 
     def finish(self, done: Finished) -> list[dict[str, Any]]:
         """The held-back text, the last item closed, then the response, kept before it is sent."""
-        events = self._pieces(*self.chat.finish(done.finish_reason)) + self._close()
+        events = self._parts(self.chat.finish(done.finish_reason)) + self._close()
         status = "incomplete" if self.chat.outcome(done.finish_reason) == "length" else "completed"
         self.final = self.response(status, done)
         if self.req.store is not False:
@@ -165,35 +165,38 @@ class ResponseShaper:
         assert self.final is not None, "the response has not ended"
         return self.final
 
-    def _pieces(self, reasoning: str, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        events = self._append("reasoning", reasoning) + self._append("message", content)
-        for call in calls:
-            events += self._close()
-            if self.logprobs:  # the call's own tokens: not output text
-                self.logprobs = []
-            name, namespace = self.tools.split(call.name)
-            item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": name}
-            if namespace is not None:
-                item["namespace"] = namespace
-            item |= {"arguments": "", "status": "in_progress"}
-            self.items.append(item)
-            index = len(self.items) - 1
-            events.append(
-                self.event("response.output_item.added", item=dict(item), output_index=index)
-            )
-            at = {"item_id": item["id"], "output_index": index}
-            item |= {"arguments": call.arguments, "status": "completed"}
-            events += [
-                self.event("response.function_call_arguments.delta", delta=call.arguments, **at),
-                self.event(
-                    "response.function_call_arguments.done",
-                    name=name,
-                    arguments=call.arguments,
-                    **at,
-                ),
-                self.event("response.output_item.done", output_index=at["output_index"], item=item),
-            ]
+    def _parts(self, parts: list[Part]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for part in parts:
+            if isinstance(part, ToolCall):
+                events += self._call(part)
+            else:
+                kind, text = part
+                events += self._append("message" if kind == "content" else kind, text)
         return events
+
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+        events = self._close()
+        if self.logprobs:  # the call's own tokens: not output text
+            self.logprobs = []
+        name, namespace = self.tools.split(call.name)
+        item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": name}
+        if namespace is not None:
+            item["namespace"] = namespace
+        item |= {"arguments": "", "status": "in_progress"}
+        self.items.append(item)
+        index = len(self.items) - 1
+        events.append(self.event("response.output_item.added", item=dict(item), output_index=index))
+        at = {"item_id": item["id"], "output_index": index}
+        item |= {"arguments": call.arguments, "status": "completed"}
+        return [
+            *events,
+            self.event("response.function_call_arguments.delta", delta=call.arguments, **at),
+            self.event(
+                "response.function_call_arguments.done", name=name, arguments=call.arguments, **at
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _part(self, kind: str) -> dict[str, Any]:
         if kind == "reasoning":

@@ -153,10 +153,10 @@ def chat_tool_choice(choice: str | dict[str, Any] | None, tools: ResponseTools) 
     )
 
 
-def ignored_tools_header(tools: ResponseTools) -> dict[str, str] | None:
+def ignored_tools_header(tools: ResponseTools) -> dict[str, str]:
     """The response header naming the hosted tools left out (logged once per request)."""
     if not tools.ignored:
-        return None
+        return {}
     names = ",".join(dict.fromkeys(tools.ignored))
     log.info("responses: left out hosted tools this server cannot run: %s", names)
     return {IGNORED_HEADER: names}

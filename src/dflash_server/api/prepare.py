@@ -57,6 +57,7 @@ class Prepared:
     parallel_tool_calls: bool = True
     dflash_tokens: bool = False  # stream extension: each token's text and source
     forced: bool = False  # a grammar writes the answer (tool_choice forcing a call, a schema)
+    thinking: bool = True  # False: the request turned thinking off, so no reasoning is parsed
 
 
 def check_model(requested: str | None, settings: Settings) -> None:
@@ -159,6 +160,7 @@ class ChatPrompt:
     prompt: Prompt
     tools: list[dict[str, Any]] | None  # rendered into the prompt and parsed from the answer
     forced: list[str] | None  # function names a grammar must force (tool_choice)
+    thinking: bool  # the chat template's thinking switch, as the request set it
     images: tuple[ImageInput, ...] = ()  # in prompt order, each at its run of image tokens
 
 
@@ -177,10 +179,11 @@ async def render_messages(
         pads = (vision.tokens.image, [vision.count(image) for image in images])
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
     tools, forced = tool_policy(req)
+    thinking = thinking_enabled(req, settings.enable_thinking)
     render = functools.partial(
         render_chat,
         engine.models.pair.tokenizer,
-        enable_thinking=thinking_enabled(req, settings.enable_thinking),
+        enable_thinking=thinking,
         template_kwargs=kwargs,
         tools=tools,
         image_pads=pads,
@@ -198,7 +201,7 @@ async def render_messages(
             prompt = await run_in_threadpool(render, merged)
         except PromptError as again:
             raise APIError(400, str(again), param="messages", code="invalid_messages") from exc
-    return ChatPrompt(prompt, tools, forced, tuple(images))
+    return ChatPrompt(prompt, tools, forced, thinking, tuple(images))
 
 
 async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: Engine) -> Prepared:
@@ -234,6 +237,7 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
         tools=chat.tools,
         parallel_tool_calls=parallel,
         forced=grammar is not None,
+        thinking=chat.thinking,
     )
 
 

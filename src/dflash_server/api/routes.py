@@ -14,7 +14,15 @@ from dflash_server.api.anthropic import to_chat as anthropic_chat
 from dflash_server.api.anthropic_events import MessageShaper
 from dflash_server.api.deps import EngineDep, MetricsDep, ResponsesDep, SettingsDep
 from dflash_server.api.errors import APIError
+from dflash_server.api.fields import (
+    CHAT_SPEC,
+    COMPLETION_SPEC,
+    MESSAGES_SPEC,
+    RESPONSES_SPEC,
+    ignored_fields,
+)
 from dflash_server.api.openai_events import ChatShaper, TextShaper
+from dflash_server.api.openai_responses import PASSED_ON as RESPONSES_PASSED_ON
 from dflash_server.api.openai_responses import ResponsesRequest, conversation, prepare_response
 from dflash_server.api.openai_responses_events import ResponseShaper
 from dflash_server.api.openai_responses_tools import ignored_tools_header, response_tools
@@ -25,9 +33,16 @@ from dflash_server.api.prepare import (
     prepare_completion,
     render_messages,
 )
-from dflash_server.api.types import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from dflash_server.api.types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    extensions,
+)
 from dflash_server.engine.jobs import EngineNotReady, Job, QueueFull
 from dflash_server.engine.worker import Engine
+from dflash_server.generation.sampling import SERVED_FIELDS
 from dflash_server.settings import Settings
 
 # The API key and the body-size limit are checked before routing, by api/guard.py.
@@ -63,10 +78,11 @@ async def chat_completions(
     engine: EngineDep,
     metrics: MetricsDep,
 ) -> Response:
+    headers = ignored_fields(body, CHAT_SPEC, request)
     prepared = await prepare_chat(body, settings, engine)
     job = _submit(engine, metrics, prepared, "chat")
     shaper = ChatShaper(prepared, _tokenizer(engine))
-    return await answer(shaper, job, prepared.stream, request, settings)
+    return await answer(shaper, job, prepared.stream, request, settings, headers)
 
 
 @router.post("/v1/completions")
@@ -77,9 +93,10 @@ async def completions(
     engine: EngineDep,
     metrics: MetricsDep,
 ) -> Response:
+    headers = ignored_fields(body, COMPLETION_SPEC, request)
     prepared = await prepare_completion(body, settings, engine)
     job = _submit(engine, metrics, prepared, "completions")
-    return await answer(TextShaper(prepared), job, prepared.stream, request, settings)
+    return await answer(TextShaper(prepared), job, prepared.stream, request, settings, headers)
 
 
 @router.post("/v1/messages")
@@ -91,18 +108,20 @@ async def messages(
     metrics: MetricsDep,
 ) -> Response:
     """Anthropic Messages (see api/anthropic.py)."""
+    headers = ignored_fields(body, MESSAGES_SPEC, request, extensions(MessagesRequest))
     prepared = await prepare_chat(anthropic_chat(body), settings, engine)
     job = _submit(engine, metrics, prepared, "messages")
     shaper = MessageShaper(prepared, _tokenizer(engine), body.omit_thinking)
-    return await answer(shaper, job, prepared.stream, request, settings)
+    return await answer(shaper, job, prepared.stream, request, settings, headers)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(
-    body: CountTokensRequest, settings: SettingsDep, engine: EngineDep
-) -> dict[str, int]:
+    body: CountTokensRequest, request: Request, settings: SettingsDep, engine: EngineDep
+) -> JSONResponse:
+    headers = ignored_fields(body, MESSAGES_SPEC, request, extensions(CountTokensRequest))
     chat = await render_messages(anthropic_chat(body), settings, engine)
-    return {"input_tokens": len(chat.prompt.tokens)}
+    return JSONResponse({"input_tokens": len(chat.prompt.tokens)}, headers=headers)
 
 
 @router.post("/v1/responses")
@@ -115,12 +134,13 @@ async def responses(
     store: ResponsesDep,
 ) -> Response:
     """OpenAI Responses (see api/openai_responses.py)."""
+    headers = ignored_fields(body, RESPONSES_SPEC, request, RESPONSES_PASSED_ON)
     tools = response_tools(body.tools)
     so_far = conversation(store, body, tools)
     prepared, so_far = await prepare_response(body, so_far, tools, settings, engine)
     job = _submit(engine, metrics, prepared, "responses")
     shaper = ResponseShaper(prepared, _tokenizer(engine), body, tools, store, so_far)
-    headers = ignored_tools_header(tools)
+    headers |= ignored_tools_header(tools)
     return await answer(shaper, job, prepared.stream, request, settings, headers)
 
 
@@ -164,6 +184,18 @@ def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[st
     return card
 
 
+def request_defaults(settings: Settings) -> dict[str, Any]:
+    """What a request gets for the fields it leaves out, so a client (the chat page) can show
+    them and send only what its user changed."""
+    sampling = {name: getattr(settings, name) for name in SERVED_FIELDS}
+    return sampling | {
+        "enable_thinking": settings.enable_thinking,
+        "max_tokens": settings.max_tokens,
+        "block_size": settings.block_size,
+        "speculative": settings.speculative,
+    }
+
+
 @public.get("/health")
 async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
     """200 when ready, 503 while loading or after a failed load; the body says which."""
@@ -184,6 +216,7 @@ async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
         "active_rows": engine.active_rows,
         "max_queue": engine.max_queue,
         "prefix_cache": engine.prefix_cache.stats() if engine.prefix_cache else None,
+        "defaults": request_defaults(settings),
     }
     if engine.error:
         body["error"] = engine.error

@@ -1,8 +1,9 @@
 """Request and response shapes of the OpenAI-compatible API, plus the DFlash extensions.
 
 Requests accept the OpenAI fields; features this server cannot honour are rejected by
-``unsupported_features`` with a 400 naming the field, never silently ignored. Unknown extra
-fields are ignored, as the OpenAI SDKs send provider-specific ones.
+``unsupported_features`` with a 400 naming the field, never silently ignored. Other extra
+fields are accepted (clients send provider-specific ones) and named back, or refused when they
+look like a typo, by ``fields.py``.
 """
 
 from __future__ import annotations

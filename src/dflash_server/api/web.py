@@ -44,7 +44,8 @@ def _serve(name: str) -> Response:
     return Response(_read(name), media_type=ASSETS[name], headers=HEADERS)
 
 
-@web.get("/", include_in_schema=False)
+# HEAD too: uptime checks and proxies probe the root that way; the server sends no body.
+@web.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def index() -> Response:
     return _serve("index.html")
 

@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import platform
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
+
+from dflash_server.engine.blas import openblas_loaded
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -70,7 +71,7 @@ def machine() -> dict[str, Any]:
         "mlx_lm": _version("mlx-lm"),
         "device": str(mx.default_device()),
         "device_info": info,
-        "openblas": sys.platform == "linux" and "openblas" in os.environ.get("LD_PRELOAD", ""),
+        "openblas": openblas_loaded(),
         "env": {name: os.environ.get(name) for name in SPEED_ENV},
         "code": _code_digest(),
     }

@@ -16,7 +16,7 @@ from dflash_server.generation.costs import CostModel
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.models.hooks import HookError
-from dflash_server.models.loading import flat_arrays, load, load_draft
+from dflash_server.models.loading import flat_arrays, has_mtp, load, load_draft, load_mtp
 from dflash_server.models.vision import VisionTower, load_vision
 from dflash_server.models.window import DEFAULT_WINDOW, SINKS, default_window
 
@@ -36,10 +36,18 @@ TARGET_PATTERNS = [
 ]
 DRAFT_PATTERNS = ["*.json", "*.safetensors"]
 DEFAULT_CONTEXT = 32768
+MTP = "mtp"  # --draft mtp: the target checkpoint's own MTP head
 
 
 class ModelLoadError(RuntimeError):
     """A model could not be found, downloaded or loaded; the message is one actionable line."""
+
+
+def resolve_draft(drafter: str | None) -> str | None:
+    """The drafter's local folder (downloaded now); ``"mtp"`` and no drafter as they are."""
+    if drafter is None or drafter == MTP:
+        return drafter
+    return str(resolve_model(drafter, "draft", DRAFT_PATTERNS))
 
 
 def resolve_model(repo_or_path: str, role: str, patterns: list[str]) -> Path:
@@ -99,6 +107,8 @@ class ModelSummary:
     target_layer_ids: list[int] = field(default_factory=list)
     draft_window: int | None = None
     cycle_costs: str | None = None  # the measured cost curve, described
+    suffix_drafts: bool = False  # copies from the context may be verified
+    mtp_available: bool = False  # no drafter, but the target checkpoint carries an MTP head
     vision: bool = False  # prompts may hold images (the checkpoint's vision tower is loaded)
     vision_note: str = "text only"  # what the startup log says about images
 
@@ -191,15 +201,20 @@ def load_models(
                 f"cannot load the vision tower of {target_label!r}: {_first_line(exc)} "
                 "(--no-vision serves text only)"
             ) from exc
-    drafter, draft_cfg, draft_path = None, {}, None
+    drafter: Any = None
+    draft_cfg: dict[str, Any] = {}
+    draft_path = None
     if draft is not None:
-        draft_path = resolve_model(draft, "draft", DRAFT_PATTERNS)
+        draft_path = target_path if draft == MTP else resolve_model(draft, "draft", DRAFT_PATTERNS)
+        draft_cfg = _read_config(draft_path)
         try:
-            drafter = load_draft(str(draft_path))
-            drafter.bind(model)
+            if draft == MTP or str(draft_cfg.get("model_type", "")).endswith("_mtp"):
+                drafter = load_mtp(draft_path, model)
+            else:
+                drafter = load_draft(str(draft_path))
+                drafter.bind(model)
         except Exception as exc:
             raise ModelLoadError(f"cannot use drafter {draft_label!r}: {_first_line(exc)}") from exc
-        draft_cfg = _read_config(draft_path)
     try:  # install the target's hooks now: their self-check fails here, not mid-request
         pair = ModelPair.build(model, tokenizer, drafter, vision=tower)
     except HookError as exc:
@@ -213,6 +228,8 @@ def load_models(
         vocab_size=_vocab_size(target_cfg),
         context_length=min(context_length, model_ctx) if context_length else model_ctx,
         fingerprint=_fingerprint(target_path, draft_path),
+        suffix_drafts=bool(suffix_tokens),
+        mtp_available=drafter is None and has_mtp(target_path),
         vision=tower is not None,
         vision_note=_vision_note(tower, target_cfg, vision),
     )
@@ -290,7 +307,10 @@ def describe(summary: ModelSummary) -> str:
         if s.cycle_costs:
             lines.append(s.cycle_costs)
     else:
-        lines.append("no drafter: plain (non-speculative) decoding")
+        decoding = "suffix drafts and plain decoding" if s.suffix_drafts else "plain decoding"
+        lines.append(f"no drafter: {decoding}")
+        if s.mtp_available:  # say so, never switch silently
+            lines.append("this checkpoint carries an MTP head: --draft mtp drafts with it")
         if s.cycle_costs:  # suffix copies still run: verify-only cycles
             lines.append(s.cycle_costs)
     lines.append(f"vision: {s.vision_note}")

@@ -21,21 +21,12 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from dflash_server.chat.logprobs import TokenTexts, token_logprobs
-from dflash_server.engine.jobs import (
-    EngineNotReady,
-    Event,
-    Failed,
-    Finished,
-    Job,
-    QueueFull,
-    RequestTimings,
-    TextChunk,
-)
+from dflash_server.chat.logprobs import TokenTexts
+from dflash_server.engine.jobs import EngineNotReady, Event, Failed, Job, QueueFull
 from dflash_server.engine.loader import LoadedModels, ModelLoadError
 from dflash_server.engine.prefix_cache import PrefixCache
+from dflash_server.engine.runs import DONE, Run
 from dflash_server.generation.batch import BatchDecoder
-from dflash_server.generation.cycle import Commit
 from dflash_server.generation.request import GenerationRequest
 from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
@@ -53,57 +44,6 @@ GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator[GenerationResp
 LoaderFn = Callable[[], LoadedModels]
 
 
-class _Run:
-    """An admitted job on the worker thread: a row of the engine's rows (``generation``) or a
-    test double's responses (``gen``), and what its final event needs."""
-
-    def __init__(
-        self,
-        job: Job,
-        texts: TokenTexts | None,
-        generation: Generation | None = None,
-        gen: Iterator[GenerationResponse] | None = None,
-    ) -> None:
-        self.job, self.texts, self.generation, self.gen = job, texts, generation, gen
-        self.last: GenerationResponse | None = None
-        self.produced = 0
-
-    def step(self) -> Event | None:
-        """A ``gen`` run: its next response; the final event once it ends."""
-        assert self.gen is not None
-        try:
-            response = next(self.gen)
-        except StopIteration:
-            return _DONE
-        except Exception as exc:
-            log.exception("generation failed")
-            return Failed(f"generation failed: {exc}")
-        return self.deliver(response)
-
-    def feed(self, outcome: Commit | Exception) -> Event | None:
-        """A row run: what a step of the rows handed it; the final event once it ends."""
-        assert self.generation is not None
-        if isinstance(outcome, Exception):
-            log.error("generation failed", exc_info=outcome)
-            return Failed(f"generation failed: {outcome}")
-        return self.deliver(self.generation.respond(outcome))
-
-    def deliver(self, response: GenerationResponse) -> Event | None:
-        self.last = response
-        self.produced += len(response.tokens)
-        if response.text or response.tokens:
-            lps = None
-            if self.texts is not None:
-                lps = token_logprobs(
-                    self.texts, response.tokens, response.logprobs, response.top_logprobs
-                )
-            self.job.emit(TextChunk(response.text, len(response.tokens), lps, response.sources))
-        return _DONE if response.finish_reason is not None else None
-
-
-_DONE = Finished("", 0, 0)  # sentinel: the generator ended; the engine builds the real event
-
-
 class Engine:
     """Owns the worker thread, the resident models, the wait queue and the active requests."""
 
@@ -116,6 +56,7 @@ class Engine:
         prefill_step_size: int = 2048,
         generate: GenerateFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
         prefix_cache: PrefixCache | None = None,
         batching: str = "batched",
         max_verify: int | None = None,
@@ -126,12 +67,13 @@ class Engine:
         self.batching, self.max_verify = batching, max_verify
         self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
         self.rows: BatchDecoder | LoneRows = LoneRows()  # what each round steps
-        self._by_row: dict[Row, _Run] = {}
+        self._by_row: dict[Row, Run] = {}
         self.on_pass = on_pass  # each batched pass: (rows, verified positions)
         self._loader = loader
         self.prefix_cache = prefix_cache
         self._generate = generate
         self._on_fatal = on_fatal
+        self._on_ready = on_ready  # once requests are admitted (after every load-time measurement)
         self.max_queue = max_queue
         # None: decided at load (batched: the rows a pass supports, at least 4; else 4).
         self._auto_active = max_active is None
@@ -141,7 +83,7 @@ class Engine:
         self.error: str | None = None
         self.models: LoadedModels | None = None
         self._pending: collections.deque[Job] = collections.deque()
-        self._active: list[_Run] = []
+        self._active: list[Run] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._draining = False
@@ -165,7 +107,8 @@ class Engine:
         """End every job with a final 'shutting down' event and join the worker.
 
         Waiting jobs end at once; active ones at the worker's next step (it finishes its
-        current cycle first), so every open stream still gets its last event.
+        current cycle first), so every open stream still gets its last event. A worker still
+        loading holds no job and cannot be interrupted inside MLX: it is not waited for.
         """
         with self._cond:
             self._stopping = True
@@ -174,13 +117,19 @@ class Engine:
         for job in pending:
             job.cancel()
             job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        worker = self._thread
+        if worker.is_alive() and not self.loading and worker is not threading.current_thread():
+            worker.join(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until loading ended (either way); True when ready."""
         self._ready.wait(timeout)
         return self.state == "ready"
+
+    @property
+    def loading(self) -> bool:
+        """The worker is loading the models or measuring their costs (inside MLX)."""
+        return self.state == "loading" and self._thread.is_alive()
 
     @property
     def queue_depth(self) -> int:
@@ -237,6 +186,8 @@ class Engine:
             log.info("max_active: %d requests at once", self.max_active)
         self.state = "ready"
         self._ready.set()
+        if self._on_ready is not None:
+            self._on_ready()
         try:
             with self.models.pair.wired.held():  # for the engine's lifetime
                 while self._round():
@@ -297,12 +248,12 @@ class Engine:
                 self.on_pass(*self.batch.last_pass)
         return True
 
-    def _end(self, run: _Run, final: Event | None) -> None:
+    def _end(self, run: Run, final: Event | None) -> None:
         """Once a run has its final event: free its slot, then tell the client (its next
         request must fit)."""
         if final is None:
             return
-        event = self._finished(run) if final is _DONE else final
+        event = run.finished() if final is DONE else final
         self._close(run)
         run.job.emit(event)
 
@@ -312,7 +263,7 @@ class Engine:
         if self._on_fatal is not None:
             self._on_fatal(message)
 
-    def _start(self, job: Job) -> _Run | None:
+    def _start(self, job: Job) -> Run | None:
         """Make the job's run: a row of the engine's rows (its prefill starts at this round's
         step), or the test double's generator."""
         if job.cancelled:
@@ -330,7 +281,7 @@ class Engine:
             self._token_texts = texts
         try:
             if self._generate is not None:
-                return _Run(job, texts, gen=self._generate(m, job.request))
+                return Run(job, texts, gen=self._generate(m, job.request))
             generation = Generation(
                 m.pair, job.request, prefill_step_size=self.prefill_step_size,
                 prefix=self.prefix_cache,
@@ -342,11 +293,11 @@ class Engine:
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {exc}"))
             return None
-        run = _Run(job, texts, generation=generation)
+        run = Run(job, texts, generation=generation)
         self._by_row[generation.row] = run
         return run
 
-    def _close(self, run: _Run) -> None:
+    def _close(self, run: Run) -> None:
         """Drop an ended run; its row leaves the rows (caches freed now, not at GC)."""
         with self._cond:
             if run in self._active:
@@ -362,39 +313,3 @@ class Engine:
             log.exception("closing a generation failed")
         elapsed = time.monotonic() - (run.job.started or run.job.created)
         self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed
-
-    def _finished(self, run: _Run) -> Finished:
-        job, last = run.job, run.last
-        request = job.request
-        prompt_tokens = len(request.prompt)
-        done = Finished(
-            "length", prompt_tokens, 0, request.speculative, request.block.width, None, None
-        )
-        if last is None:  # the generator yielded nothing at all
-            return done
-        done.completion_tokens = run.produced
-        done.finish_reason = last.finish_reason or "length"
-        done.stop_sequence = last.stop
-        done.stats = last.stats
-        done.cached_tokens = last.stats.cached_tokens if last.stats is not None else 0
-        done.timings = RequestTimings(
-            queue_wait_s=round((job.started or job.created) - job.created, 3),
-            prompt_tps=round(float(last.prompt_tps), 2),
-            generation_tps=round(float(last.generation_tps), 2),
-            peak_memory_gb=round(float(last.peak_memory), 3),
-        )
-        speculation = "plain decoding" + (last.stats.batches() if last.stats is not None else "")
-        if (request.speculative or request.block.copies) and last.stats is not None:
-            speculation = last.stats.summary()  # tau, block sizes used, plain share, estimate
-        log.info(
-            "request: %d prompt (%s) + %d output tokens (%s), %.1f tok/s, %s",
-            done.prompt_tokens,
-            f"prefix cache hit: {done.cached_tokens} reused"
-            if done.cached_tokens
-            else "prefix cache miss",
-            done.completion_tokens,
-            done.finish_reason,
-            done.timings.generation_tps,
-            speculation,
-        )
-        return done

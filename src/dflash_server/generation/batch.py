@@ -253,7 +253,8 @@ class BatchDecoder:
                 )
             cycles = [
                 row.score(c, logits[i, : c.size],
-                          None if taps is None else taps[i : i + 1, : c.size], *drafts[i], h)
+                          None if taps is None else taps[i : i + 1, : c.size],
+                          inputs[i][: c.size], drafts[i][1], h)
                 for i, (row, c, h) in enumerate(zip(rows, choices, histories))
             ]  # fmt: skip
             mx.async_eval(*[a for c in cycles for a in c.arrays()])

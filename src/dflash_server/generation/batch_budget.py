@@ -104,7 +104,7 @@ def measure_pass_costs(
             drafts = []
             for r in range(rows):
                 c = draft.make_cache()
-                draft.append_context(taps[r : r + 1], c)
+                draft.append_context(taps[r : r + 1], c, ids[r, :context])
                 block = mx.array([[1] + [mask_id] * (w - 1)])
                 drafts.append(DraftRow(draft, block, None, c, greedy, None))
             mx.eval([c.state for c in cache], [c.state for d in drafts for c in d.cache])

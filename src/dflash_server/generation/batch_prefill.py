@@ -54,7 +54,8 @@ def prefill_together(target: TargetModel, rows: list[Row]) -> list[Cycle]:
                 if keep[i] == 0:
                     continue
                 if row.draft is not None and taps is not None and row.draft_cache is not None:
-                    row.draft.append_context(taps[i : i + 1, : keep[i]], row.draft_cache)
+                    fed = tokens[i, start : start + keep[i]]
+                    row.draft.append_context(taps[i : i + 1, : keep[i]], row.draft_cache, fed)
                 if start < lengths[i] <= end:
                     last[i] = hidden[i : i + 1, lengths[i] - 1 - start]
                 if end in wanted[i]:

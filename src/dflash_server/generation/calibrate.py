@@ -69,7 +69,7 @@ def measure_costs(
         draft_cache = draft.make_cache() if draft is not None else []
         if draft is not None:
             assert taps is not None, "a target tapped for the drafter"
-            draft.append_context(taps, draft_cache)
+            draft.append_context(taps, draft_cache, ids[0, :context])
         mx.eval([c.state for c in cache], [c.state for c in draft_cache])
     rollback = target.make_rollback(cache)
 

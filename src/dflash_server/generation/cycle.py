@@ -51,6 +51,7 @@ class Cycle:
     source: Source = DRAFTER
     confidence: tuple[float, ...] = ()  # a suffix copy's, for the controller's trust
     prefill: bool = False  # the prompt's first token: no cycle of the policy's
+    inputs: mx.array | None = None  # the tokens fed to the verify: anchor, then the drafts
 
     def arrays(self) -> list[mx.array]:
         extra = [] if self.logprobs is None else [a for a in self.logprobs if a is not None]

@@ -62,8 +62,12 @@ class Drafter(Protocol):
         """A fresh context cache, one ``DraftContext`` per drafter layer."""
         ...
 
-    def append_context(self, target_hidden: mx.array, cache: list[Any]) -> None:
-        """Add committed positions' taps ([1, T, L*H]) to the context."""
+    def append_context(
+        self, target_hidden: mx.array, cache: list[Any], tokens: mx.array | None = None
+    ) -> None:
+        """Add committed positions' taps ([1, T, L*H]) to the context; ``tokens`` ([T]): the
+        token fed at each of them (a drafter that pairs a position with the token after it,
+        as the model's own MTP head does, needs them; DFlash does not)."""
         ...
 
     def propose(

@@ -95,7 +95,8 @@ class Row:
         self.kept = 0  # positions of the last verify that the caches keep (accepted + 1)
         self.done = False
         self._history: list[int] = []  # token ids the penalties look back over
-        self._context: list[mx.array] = []  # committed taps not yet given to the drafter
+        # Committed positions not yet given to the drafter: (taps [1, T, L*H], tokens fed [T]).
+        self._context: list[tuple[mx.array, mx.array]] = []
         self._last_read: float | None = None  # when the previous cycle was read back
         self._hit: object = _UNSEEN  # the prefix cache's answer for this request's prompt
         self.images = images  # until the prompt is prefilled
@@ -154,7 +155,9 @@ class Row:
         """Feed the prompt in chunks into the row's own cache (after what the prefix cache
         restores), yielding ``PREFILL_CHUNK`` after each chunk but the last so a scheduler can
         run other work in between; return the first token as a (lazy) one-row cycle. With a
-        prefix cache, chunks also end at the checkpoints, where the recurrent state is kept."""
+        prefix cache, chunks also end at the checkpoints, where the recurrent state is kept;
+        a prefill stopped between chunks (the request was cancelled: a client that timed out
+        and will retry) keeps what it prefilled as an entry, so the retry resumes there."""
         prompt = self.prompt
         start, checkpoints = self._restore()
         tokens = mx.array(prompt)[None]
@@ -166,14 +169,19 @@ class Row:
                 inputs = self._prompt_inputs(tokens[:, begin:end], begin, end)
                 logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows, **inputs)
                 if self.draft is not None:
-                    self.draft.append_context(_tapped(taps), _ctx(self.draft_cache))
+                    fed = tokens[0, begin:end]
+                    self.draft.append_context(_tapped(taps), _ctx(self.draft_cache), fed)
                 if end in wanted:
                     checkpoints[end] = Checkpoint.take(self.cache, self.draft_cache)
                 if not last:  # bound peak memory: materialise this chunk before the next
                     mx.eval([c.state for c in self.cache], *self.draft_state())
                     mx.clear_cache()
             if not last:
-                yield PREFILL_CHUNK
+                try:
+                    yield PREFILL_CHUNK
+                except GeneratorExit:
+                    self._keep_prefilled(end, checkpoints)
+                    raise
         self.images = None  # the features are in the cache now
         return self.first_token(_rows(logits)[0], checkpoints)
 
@@ -197,6 +205,17 @@ class Row:
             first = self.sampler.sample(logits)
             result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
         return Cycle(result, None, 1, self._logprobs(logits, first), prefill=True)
+
+    def _keep_prefilled(self, done: int, checkpoints: dict[int, Checkpoint]) -> None:
+        """Store the first ``done`` prompt tokens' state (the caches hold exactly that between
+        chunks) as a prefix-cache entry, restorable at ``done``."""
+        if self.prefix is None or done <= self.stats.cached_tokens:
+            return  # no cache, or nothing prefilled beyond what it restored
+        with mx.stream(generation_stream):
+            kept = {**checkpoints, done: Checkpoint.take(self.cache, self.draft_cache)}
+            snapshot = PromptSnapshot.take(self.key[:done], self.cache, self.draft_cache, kept)
+            mx.async_eval(snapshot.arrays())
+        self.prefix.store(self._prefix_kind, snapshot)
 
     def checkpoint_positions(self) -> set[int]:
         """Where the prefill keeps recurrent state (with a prefix cache): the requested
@@ -252,38 +271,39 @@ class Row:
         return mx.array(self._history[-self.sampler.params.penalty_context_size :])
 
     def draft_row(self, size: int, anchor: mx.array, history: mx.array | None) -> DraftRow:
-        """What the drafter drafts ``size - 1`` tokens from: ``[anchor, mask, ...]`` and the
-        committed taps it has not seen yet."""
+        """What the drafter drafts ``size - 1`` tokens from: ``[anchor, mask, ...]``, after the
+        committed positions it has not seen yet join its context."""
         draft = cast(Drafter, self.draft)  # drafter cycles only come with a drafter
+        self._flush_context()
         mask = mx.full((size - 1,), draft.config.mask_token_id, dtype=anchor.dtype)
         block = mx.concatenate([anchor, mask])[None]
-        return DraftRow(draft, block, self._take_context(), _ctx(self.draft_cache),
-                        self.sampler, history)  # fmt: skip
+        return DraftRow(draft, block, None, _ctx(self.draft_cache), self.sampler, history)
 
     def score(
         self,
         choice: Choice,
         logits: mx.array,
         taps: mx.array | None,
-        drafts: mx.array | None,
+        inputs: mx.array,
         log_q: mx.array | None,
         history: mx.array | None,
     ) -> Cycle:
         """A cycle from its verify: the logits of its ``choice.size`` positions ([size, V]),
-        their taps ([1, size, L*H]), and its drafts (None: a plain step) -> the accepted
-        drafts, the bonus token and the logprobs, on device."""
+        their taps ([1, size, L*H]) and the tokens fed there (``inputs``: the anchor, then the
+        drafts) -> the accepted drafts, the bonus token and the logprobs, on device."""
         size = choice.size
-        if drafts is None:
+        inputs = inputs.astype(mx.int32)
+        if size == 1:
             if self.draft is not None and taps is not None:
                 # The drafter needs every committed position; batch plain steps' taps.
-                self._context.append(taps)
+                self._context.append((taps, inputs))
                 if len(self._context) >= FLUSH:
-                    self.draft.append_context(_tapped(self._take_context()), _ctx(self.draft_cache))
+                    self._flush_context()
             processed = self._process(logits, history, None)
             bonus = self.sampler.sample(processed)
             result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
             return Cycle(result, None, 1, self._logprobs(processed, bonus), PLAIN)
-        drafts = drafts.astype(mx.int32)
+        drafts = inputs[1:]
         copied = choice.source == SUFFIX
         path: list[int] | mx.array = drafts
         if self.constraint is not None:  # a constraint walks the drafted path on the host
@@ -299,7 +319,7 @@ class Row:
             emitted = mx.concatenate([drafts, bonus[None].astype(mx.int32)])
             emitted = mx.where(mx.arange(size) == accepted, bonus, emitted)
             logprobs = self._logprobs(processed, emitted)
-        return Cycle(result, taps, size, logprobs, choice.source, choice.confidence)
+        return Cycle(result, taps, size, logprobs, choice.source, choice.confidence, inputs=inputs)
 
     def read(self, cycle: Cycle) -> Commit:
         """Sync on a cycle (the one host sync per cycle) and commit its tokens: cut at an EOS
@@ -329,7 +349,8 @@ class Row:
             self.policy.observe(cycle.size, accepted, seconds, cycle.source, cycle.confidence)
         self.kept = accepted + 1
         if cycle.size > 1 and self.draft is not None and cycle.taps is not None:
-            self._context.append(cycle.taps[:, : accepted + 1])
+            fed = cycle.inputs if cycle.inputs is not None else self.last  # (always set here)
+            self._context.append((cycle.taps[:, : accepted + 1], fed[: accepted + 1]))
         self.last = mx.array([bonus], dtype=mx.int32)
         commit = terminate(commit, self.room, self.eos_ids)
         self.produced += len(commit.tokens)
@@ -367,11 +388,14 @@ class Row:
     def _logprobs(self, logits: mx.array, emitted: mx.array) -> Any:
         return None if self.logprobs is None else token_logprobs(logits, emitted, self.logprobs)
 
-    def _take_context(self) -> mx.array | None:
+    def _flush_context(self) -> None:
+        """Give the drafter the committed positions it has not seen (taps and tokens)."""
         pieces, self._context = self._context, []
-        if not pieces:
-            return None
-        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
+        if not pieces or self.draft is None:
+            return
+        taps = mx.concatenate([t for t, _ in pieces], axis=1) if len(pieces) > 1 else pieces[0][0]
+        fed = mx.concatenate([f for _, f in pieces]) if len(pieces) > 1 else pieces[0][1]
+        self.draft.append_context(taps, _ctx(self.draft_cache), fed)
 
 
 # Narrowing for the type checker only: which values exist follows from whether a drafter runs.

@@ -115,7 +115,7 @@ class SpeculativeDecoder:
                 logits, taps = row.target.forward(
                     tokens[None], row.cache, slice(None), positions=row.positions
                 )
-            cycle = row.score(choice, logits[0], taps, drafts, log_q, history)
+            cycle = row.score(choice, logits[0], taps, tokens, log_q, history)
             self._timed("plain" if drafts is None else "verify", *cycle.arrays())
         mx.async_eval(*cycle.arrays())
         return cycle

@@ -279,8 +279,14 @@ class DFlashDraftModel(nn.Module):
     def make_cache(self) -> list[ContextCache]:
         return [layer.self_attn.make_cache() for layer in self.layers]
 
-    def append_context(self, target_hidden: mx.array, cache: list[ContextCache]) -> None:
-        """Add committed positions' tapped features (``[B, S, L*H]``) to the context cache."""
+    def append_context(
+        self,
+        target_hidden: mx.array,
+        cache: list[ContextCache],
+        tokens: mx.array | None = None,
+    ) -> None:
+        """Add committed positions' tapped features (``[B, S, L*H]``) to the context cache
+        (DFlash reads the features only, not the ``tokens`` fed there)."""
         windows = [layer.self_attn.window for layer in self.layers]
         widest = None if None in windows else max(w for w in windows if w is not None)
         skipped = 0

@@ -1,7 +1,8 @@
 """Load targets (through mlx-lm) and drafters from a local folder or a hub repo.
 
 Drafters are dispatched on ``config.json``'s ``architectures``: DFlash, DFlash2 and "assistant"
-exports (see ``variants``); each family may rename checkpoint keys before a strict load.
+exports (see ``variants``); each family may rename checkpoint keys before a strict load. The
+target's own MTP head loads from its checkpoint's ``mtp.*`` tensors (``load_mtp``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from mlx_lm.utils import infer_quant_config
 
 from dflash_server.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash_server.models.mtp import DEFAULT_BLOCK, MTPConfig, MTPDrafter
 from dflash_server.models.variants import assistant_kwargs
 from dflash_server.models.window import default_window
 
 _DRAFT_PATTERNS = ["*.safetensors", "*.json"]
+NO_LIMIT = int(1e30)  # what transformers itself uses for "no maximum length"
 
 
 def resolve_model_path(repo_or_path: str | Path, allow_patterns: list[str] | None = None) -> Path:
@@ -55,6 +58,9 @@ def load(path_or_repo: str | Path, **kwargs: Any) -> tuple[nn.Module, TokenizerW
     from mlx_lm import load as mlx_lm_load
 
     model, tokenizer = mlx_lm_load(str(path_or_repo), **kwargs)[:2]
+    # The context limit is the model config's (and the server's --context-length); the
+    # tokenizer's own limit only warns of "indexing errors" that cannot happen here.
+    tokenizer.model_max_length = NO_LIMIT
     return model, tokenizer
 
 
@@ -215,3 +221,95 @@ def load_weights_strict(model: nn.Module, weights: dict[str, mx.array], source: 
             "Is this a drafter checkpoint, with a config.json from the same export?"
         )
     model.load_weights(list(weights.items()), strict=True)
+
+
+def mtp_weights(path: Path) -> dict[str, mx.array]:
+    """The ``mtp.*`` tensors of a checkpoint folder (the target's, or a split export), named as
+    the head names them (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...)."""
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # only the shards that hold the head, when the index names them
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = {v for k, v in weight_map.items() if "mtp." in k}
+        files = [f for f in files if f.name in names] or files
+    out: dict[str, mx.array] = {}
+    for f in files:
+        for key, value in load_arrays(f).items():
+            if key.startswith("mtp.") or ".mtp." in key:
+                out[key.split("mtp.", 1)[1]] = value
+    return out
+
+
+def has_mtp(path: Path) -> bool:
+    """Whether a target checkpoint folder carries its MTP head."""
+    raw = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    text = raw.get("text_config", raw)
+    return bool(text.get("mtp_num_hidden_layers")) and bool(mtp_weights(path))
+
+
+def load_mtp(path_or_repo: str | Path, target: nn.Module) -> MTPDrafter:
+    """Load the MTP head from a checkpoint folder that holds ``mtp.*`` tensors: the target's
+    own (``--draft mtp``) or a split export, quantized or not; bound to ``target``."""
+    path = resolve_model_path(path_or_repo, _DRAFT_PATTERNS)
+    raw = json.loads((path / "config.json").read_text())
+    text = dict(raw.get("text_config", raw))
+    if not text.get("mtp_num_hidden_layers"):
+        raise ValueError(
+            f"{path} has no MTP head (config.json: no mtp_num_hidden_layers); pass a DFlash "
+            "drafter, the original checkpoint that carries mtp.* tensors, or no --draft"
+        )
+    weights = mtp_weights(path)
+    if not weights:
+        raise ValueError(
+            f"no mtp.* tensors in {path}: MLX conversions usually drop them; use the original "
+            "checkpoint, or a split MTP export (dflash-serve convert keeps the head)"
+        )
+    config = MTPConfig(text, block_size=int(raw.get("block_size", DEFAULT_BLOCK)))
+    if _unsanitized(path):  # the original layout stores zero-centred norms (weight + 1)
+        weights = {k: v + 1.0 if k.endswith("norm.weight") and v.ndim == 1 else v
+                   for k, v in weights.items()}  # fmt: skip
+    weights = _sanitize_layers(weights, target, config)
+    model = MTPDrafter(config)
+    if (quantization := raw.get("quantization")) is not None:
+        quantize_like_checkpoint(model, quantization, weights)
+    load_weights_strict(model, weights, source=f"{path} (MTP head)")
+    model.eval()
+    mx.eval(model.parameters())
+    return model.bind(target)
+
+
+def _unsanitized(path: Path) -> bool:
+    """Whether the folder is in the original (Hugging Face) layout, as mlx-lm tells: a Gated
+    DeltaNet conv1d weight not yet moved to MLX's layout."""
+    for f in sorted(path.glob("*.safetensors")):
+        for key, value in load_arrays(f).items():
+            if key.endswith("conv1d.weight"):
+                return value.shape[-1] != 1
+    return False
+
+
+def _sanitize_layers(
+    weights: dict[str, mx.array], target: nn.Module, config: MTPConfig
+) -> dict[str, mx.array]:
+    """The head's decoder layers as mlx-lm sanitizes the target's (e.g. stacked MoE experts):
+    each is renamed as a full-attention target layer, sanitized by the target, renamed back."""
+    sanitize = getattr(target, "sanitize", None)
+    if sanitize is None:
+        return weights
+    interval = config.layer_args().full_attention_interval
+    own = {f"model.language_model.layers.{interval * (i + 1) - 1}.": f"layers.{i}."
+           for i in range(config.num_hidden_layers)}  # fmt: skip
+    renamed = {}
+    for key, value in weights.items():
+        for theirs, mine in own.items():
+            if key.startswith(mine):
+                key = theirs + key[len(mine) :]
+        renamed[key] = value
+    out = {}
+    for key, value in sanitize(renamed).items():
+        for theirs, mine in own.items():
+            theirs = theirs.replace("model.language_model.", "language_model.model.")
+            if key.startswith(theirs):
+                key = mine + key[len(theirs) :]
+        out[key.removeprefix("language_model.model.").removeprefix("language_model.")] = value
+    return out

@@ -224,6 +224,7 @@ def build_target(
     nested_text_config: bool = True,
     seed: int = 0,
     quantize_bits: int | None = None,
+    mtp: bool = False,
     special: Sequence[str] = SPECIAL_TOKENS,
     text_overrides: dict[str, Any] | None = None,
 ) -> Path:
@@ -232,8 +233,10 @@ def build_target(
     ``vocab_size`` (embedding rows) defaults to the tokenizer size rounded up to a multiple of 64
     with at least 16 spare rows; ``mask_token_id(path)`` is the first spare row. A larger
     override (e.g. 32k for a ~100M benchmark model) leaves the tokenizer small. ``quantize_bits``
-    quantizes (affine, group 64) the layers whose input width allows it, like ``mlx_lm.convert``;
-    ``special``: the tokenizer's control tokens; ``text_overrides``: config fields to change.
+    quantizes (affine, group 64) the layers whose input width allows it, like ``mlx_lm.convert``.
+    ``mtp`` (qwen3_5 only) adds a random MTP head, ``mtp.*`` tensors in the published layout
+    (``mtp_num_hidden_layers: 1`` in the text config), quantized like the rest. ``special``: the
+    tokenizer's control tokens; ``text_overrides``: config fields to change.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -298,8 +301,38 @@ def build_target(
         nn.quantize(model, 64, quantize_bits, mode="affine", class_predicate=predicate)
     mx.eval(model.parameters())
     save_model(path, model)
+    if mtp:
+        text["mtp_num_hidden_layers"] = 1
+        _save_mtp_head(path, text, config.get("quantization"))
     save_config(config, path / "config.json")
     return path
+
+
+def _save_mtp_head(path: Path, text: dict[str, Any], quantization: dict[str, Any] | None) -> None:
+    """A random MTP head for the target in ``path``, as ``mtp.*`` tensors of its own shard
+    (mlx-lm drops them when it loads the target, as it does a real checkpoint's)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from dflash_server.models.loading import flat_arrays
+    from dflash_server.models.mtp import MTPConfig, MTPDrafter
+
+    head = MTPDrafter(MTPConfig(text))
+    head.set_dtype(mx.float32)
+    for norm in (head.pre_fc_norm_embedding, head.pre_fc_norm_hidden):
+        norm.weight = 1.0 + 0.1 * mx.random.normal(norm.weight.shape)
+    if quantization is not None:
+        bits = quantization["bits"]
+        nn.quantize(head, 64, bits, class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % 64 == 0)  # fmt: skip
+    arrays = {f"mtp.{k}": v for k, v in flat_arrays(head.parameters())}
+    shard = "model-mtp.safetensors"
+    mx.save_safetensors(str(path / shard), arrays, metadata={"format": "mlx"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # as a real checkpoint's index maps its mtp.* tensors
+        content = json.loads(index.read_text())
+        content["weight_map"].update(dict.fromkeys(arrays, shard))
+        index.write_text(json.dumps(content, indent=2))
 
 
 def _tiny_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[str, Any]:
@@ -465,8 +498,8 @@ class ReplayDrafter:
     def set_window(self, window: int | None) -> int | None:
         return self.inner.set_window(window)
 
-    def append_context(self, target_hidden: Any, cache: list[Any]) -> None:
-        self.inner.append_context(target_hidden, cache)
+    def append_context(self, target_hidden: Any, cache: list[Any], tokens: Any = None) -> None:
+        self.inner.append_context(target_hidden, cache, tokens)
 
     def propose(
         self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any

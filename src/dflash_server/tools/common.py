@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
 from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -31,6 +32,18 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def check_out(out: Path, force: bool, other: str = "") -> None:
+    """Refuse an ``--out`` that would overwrite something: a file, or a folder with files in it
+    unless ``--force`` (``other``: another way out, named in the message)."""
+    if out.is_file():
+        raise ValueError(f"--out {out} is a file: give a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(
+            f"--out {out} already holds files: pass --force to overwrite them{other}, or choose "
+            "another folder"
+        )
 
 
 def save_drafter(
@@ -81,7 +94,7 @@ class DecodeResult:
 
 def decode(
     model: nn.Module,
-    draft: DFlashDraftModel | None,
+    draft: Drafter | None,
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
     block_size: int | None = None,

@@ -20,9 +20,16 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.utils import compute_bits_per_weight, dequantize_model, quantize_model
 
+from dflash_server.engine.loader import (
+    DRAFT_PATTERNS,
+    TARGET_PATTERNS,
+    ModelLoadError,
+    resolve_model,
+)
 from dflash_server.models.drafter import DFlashDraftModel
-from dflash_server.models.loading import flat_arrays, load_draft, resolve_model_path
+from dflash_server.models.loading import flat_arrays, load_draft
 from dflash_server.tools.common import (
+    check_out,
     human_bytes,
     logit_error,
     model_card,
@@ -49,16 +56,19 @@ def convert(
     dtype: str | None = None,
     target: str | Path | None = None,
     sample_text: str = SAMPLE_TEXT,
+    force: bool = False,
 ) -> dict[str, Any]:
-    """Convert ``source`` into ``out``; return a report (sizes, bits per weight, logit error)."""
+    """Convert ``source`` into ``out``; return a report (sizes, bits per weight, logit error).
+    An ``out`` that holds files is refused unless ``force``."""
     if q_bits is None and dtype is None:
         raise ValueError("nothing to do: give --q-bits and/or --dtype")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    src = resolve_model_path(source, ["*.safetensors", "*.json"])
+    src = resolve_model(str(source), "drafter", DRAFT_PATTERNS)
     out = Path(out).expanduser()
     if out.resolve() == src.resolve():
         raise ValueError("--out must differ from the source folder (it would overwrite it)")
+    check_out(out, force)
     raw = json.loads((src / "config.json").read_text())
     draft = load_draft(src)
     config = {k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")}
@@ -109,7 +119,7 @@ def _param_names(model: Any) -> list[str]:
 def _measure(src: Path, converted: Any, target: str | Path, text: str) -> dict[str, float]:
     from dflash_server.models.loading import load
 
-    model, tokenizer = load(str(target))
+    model, tokenizer = load(str(resolve_model(str(target), "target", TARGET_PATTERNS)))
     reference = load_draft(src, target=model)
     converted.bind(model)
     ids = tokenizer.encode(text)[:512]
@@ -126,22 +136,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("source", help="drafter: HF repo id or local folder")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--force", action="store_true", help="write into an --out that holds files")
     p.add_argument("--q-bits", type=int, choices=[4, 5, 6, 8], help="quantize to this many bits")
     p.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=64)
     p.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights first")
     p.add_argument("--target", help="target model; measures the block-logit error vs the source")
     p.add_argument("--sample-file", help="text file for the logit-error sample (default: built-in)")
+    p.add_argument(
+        "--mtp", action="store_true",
+        help="SOURCE is a target checkpoint (or MTP folder): write its MTP head as a split "
+        "export, for a target conversion that dropped mtp.*",
+    )  # fmt: skip
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    sample = Path(args.sample_file).read_text() if args.sample_file else SAMPLE_TEXT
     try:
+        sample = Path(args.sample_file).read_text() if args.sample_file else SAMPLE_TEXT
+        if args.mtp:
+            from dflash_server.tools.train_mtp import split_mtp
+
+            check_out(Path(args.out).expanduser(), args.force)
+            result = split_mtp(args.source, args.out, args.q_bits, args.q_group_size, args.dtype)
+            print(f"wrote {result['out']} (the MTP head of {result['source']})")
+            return 0
         report = convert(
-            args.source, args.out, args.q_bits, args.q_group_size, args.dtype, args.target, sample
+            args.source,
+            args.out,
+            args.q_bits,
+            args.q_group_size,
+            args.dtype,
+            args.target,
+            sample,
+            force=args.force,
         )
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ModelLoadError) as exc:
         print(f"dflash-serve convert: error: {exc}", file=sys.stderr)
         return 2
     before, after = report["bytes_before"], report["bytes_after"]

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from dflash_server.settings import Settings, SettingsError
 
 # What the model cards use for the z-lab Qwen3.5 drafters (all trained with 16-token blocks).
+MTP_BLOCK_SIZE = 4  # the anchor and 3 drafts: what the peers run Qwen3.5 MTP with
 CARD_BLOCK_SIZE = 16
 IMAGES = {"vllm": "vllm/vllm-openai:latest", "sglang": "lmsysorg/sglang:latest"}
 NEUTRAL = {
@@ -172,9 +173,15 @@ def export(
     defaults = sampling_defaults(settings)
     family = qwen_family(hf_target)
     if engine == "vllm":
-        spec = {"method": "dflash", "model": settings.draft, "num_speculative_tokens": block - 1}
         argv = ["vllm", "serve", hf_target, "--served-model-name", settings.model_id]
-        argv += ["--speculative-config", json.dumps(spec)]
+        spec: dict[str, Any] | None = None
+        if settings.drafter == "mtp":  # the target's own head: vLLM's "mtp" method
+            spec = {"method": "mtp", "num_speculative_tokens": block - 1}
+        elif settings.drafter is not None:
+            spec = {"method": "dflash", "model": settings.drafter}
+            spec["num_speculative_tokens"] = block - 1
+        if spec is not None:
+            argv += ["--speculative-config", json.dumps(spec)]
         argv += ["--attention-backend", "flash_attn", "--max-num-batched-tokens", "32768"]
         argv += ["--tensor-parallel-size", str(tp)]
         if settings.context_length:
@@ -195,12 +202,18 @@ def export(
                 + ", ".join(f"{k}={v}" for k, v in per_request.items())
                 + ": send it per request"
             )
-        notes.append("DFlash needs a recent vLLM (the model cards used a nightly build)")
+        if spec is not None and spec["method"] == "dflash":
+            notes.append("DFlash needs a recent vLLM (the model cards used a nightly build)")
     else:
         argv = ["python", "-m", "sglang.launch_server", "--model-path", hf_target]
         argv += ["--served-model-name", settings.model_id]
-        argv += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path"]
-        argv += [str(settings.draft), "--speculative-num-draft-tokens", str(block)]
+        if settings.drafter == "mtp":  # SGLang runs a checkpoint's own head as NEXTN
+            argv += ["--speculative-algorithm", "NEXTN", "--speculative-num-steps"]
+            argv += [str(block - 1), "--speculative-eagle-topk", "1"]
+            argv += ["--speculative-num-draft-tokens", str(block)]
+        elif settings.drafter is not None:
+            argv += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path"]
+            argv += [settings.drafter, "--speculative-num-draft-tokens", str(block)]
         argv += ["--tp-size", str(tp), "--attention-backend", "fa3"]
         argv += ["--mem-fraction-static", "0.75"]
         if family == "hybrid":
@@ -221,7 +234,8 @@ def export(
                 'thinking is off here: send "chat_template_kwargs": '
                 '{"enable_thinking": false} per request'
             )
-        notes.append("DFlash needs a recent SGLang (the model cards used a development build)")
+        if settings.drafter not in (None, "mtp"):
+            notes.append("DFlash needs a recent SGLang (the model cards used a development build)")
     if family is None:
         notes.append("add the reasoning and tool-call parsers for your model family")
     argv += ["--host", settings.host, "--port", str(settings.port)]
@@ -260,7 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     notes: list[str] = []
     fixed = settings.block_size if isinstance(settings.block_size, int) else None  # not "auto"
-    block = fixed or drafter_block_size(str(settings.draft))
+    drafter = settings.drafter
+    if drafter == "mtp" and fixed is None:
+        fixed = MTP_BLOCK_SIZE
+        notes.append(f"MTP verifies {MTP_BLOCK_SIZE} positions per step: --block-size changes it")
+    block = fixed or (drafter_block_size(drafter) if drafter and drafter != "mtp" else None)
     if block is None:
         block = CARD_BLOCK_SIZE
         notes.append(

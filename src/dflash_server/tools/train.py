@@ -23,10 +23,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from dflash_server.engine.loader import TARGET_PATTERNS, ModelLoadError, resolve_model
+from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.drafter import DFlashDraftModel
 from dflash_server.models.loading import flat_arrays, load_arrays
-from dflash_server.tools.common import decode, model_card, save_drafter
+from dflash_server.tools.common import check_out, decode, model_card, save_drafter
 from dflash_server.tools.train_data import (
     DiskCache,
     OnTheFly,
@@ -41,6 +43,7 @@ from dflash_server.tools.train_forward import (
     position_weights,
 )
 from dflash_server.tools.train_init import init_drafter
+from dflash_server.tools.train_mtp import init_mtp, mtp_loss, save_mtp
 
 # Kept in a subfolder: load_draft reads every *.safetensors at the checkpoint's top level.
 STATE_DIR, STATE_JSON, STATE_WEIGHTS = "training", "trainer_state.json", "state.safetensors"
@@ -54,16 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="mlx-lm target: HF repo id or local folder")
     p.add_argument("--data", required=True, help="JSONL (messages/text), text file, or folder")
     p.add_argument("--out", required=True, help="output folder (checkpoints, logs)")
+    p.add_argument("--force", action="store_true", help="start over in an --out that holds files")
     p.add_argument(
         "--init",
         default="new",
         help="'new' (fresh drafter from the flags below), a drafter folder/hub id to fine-tune, "
         "or a JSON file of drafter config keys over the defaults derived from the target",
     )
+    p.add_argument(
+        "--mtp", action="store_true",
+        help="train the target's multi-token-prediction head instead (--init new, 'target': "
+        "the head in the target's checkpoint, or an MTP folder); saves a split MTP export",
+    )  # fmt: skip
     f = p.add_argument_group("fresh drafter (--init new or a JSON config)")
     f.add_argument("--layers", type=int, default=5, help="draft layers (5)")
     f.add_argument("--taps", help="target layer ids, comma separated (default: spread, 5 taps)")
-    f.add_argument("--block-size", type=int, default=16, help="block size (16)")
+    f.add_argument("--block-size", type=int, help="block size (16; with --mtp the widest cycle: 8)")
     f.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's spare row)")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000, help="total optimizer steps (1000)")
@@ -115,9 +124,11 @@ def _validate(args: argparse.Namespace) -> None:
     for flag, ok, rule in checks:
         if not ok:
             raise ValueError(f"{flag} must be {rule}")
+    if not args.resume:
+        check_out(Path(args.out).expanduser(), args.force, " (--resume continues that run)")
 
 
-def _eval_tau(model: nn.Module, draft: DFlashDraftModel, prompts: np.ndarray, n: int) -> float:
+def _eval_tau(model: nn.Module, draft: Drafter, prompts: np.ndarray, n: int) -> float:
     return decode(model, draft, [p.tolist() for p in prompts], n).tau
 
 
@@ -127,9 +138,17 @@ class Trainer:
 
         _validate(args)
         self.args, self.log, self.out = args, log, Path(args.out).expanduser()
-        self.model, self.tokenizer = load(str(args.target))
+        self.model, self.tokenizer = load(
+            str(resolve_model(args.target, "target", TARGET_PATTERNS))
+        )
         mx.random.seed(args.seed)  # fresh weights are a function of --seed: runs are repeatable
-        self.draft, self.config, self.init_dtype = init_drafter(args, self.model, self.tokenizer)
+        self.draft: Any  # a DFlash drafter, or the MTP head with --mtp
+        if args.mtp:
+            self.draft, self.config, self.init_dtype = init_mtp(args, self.model)
+        else:
+            self.draft, self.config, self.init_dtype = init_drafter(
+                args, self.model, self.tokenizer
+            )
         cfg = self.draft.config
         self.B = cfg.block_size
         if args.seq_len < self.B + 1:
@@ -190,6 +209,9 @@ class Trainer:
 
     def save(self) -> None:
         save_dtype = self.args.save_dtype or self.init_dtype
+        if self.args.mtp:
+            self._save_mtp(save_dtype)
+            return
         export = DFlashDraftModel(self.draft.config)
         export.load_weights(flat_arrays(self.draft.parameters()))
         export.set_dtype(getattr(mx, save_dtype))
@@ -202,12 +224,27 @@ class Trainer:
             lines.append(f"Held-out greedy tau: {evals[0]['tau']:.2f} -> {evals[-1]['tau']:.2f}.")
         config = {**self.config, "torch_dtype": save_dtype}
         save_drafter(export, self.out, config, model_card("DFlash drafter", lines, config))
+        self._save_state()
+
+    def _save_state(self) -> None:
+        """The fp32 master weights, optimizer state, step and history (``--resume``)."""
         arrays = {f"param.{k}": v for k, v in flat_arrays(self.draft.parameters())}
         arrays.update({f"opt.{k}": v for k, v in flat_arrays(self.optimizer.state)})
         (self.out / STATE_DIR).mkdir(exist_ok=True)
         mx.save_safetensors(str(self.out / STATE_DIR / STATE_WEIGHTS), arrays)
         meta = {"step": self.step, "config": self.config, "history": self.history}
         (self.out / STATE_DIR / STATE_JSON).write_text(json.dumps(meta, indent=1))
+
+    def _save_mtp(self, save_dtype: str) -> None:
+        target = self.args.target
+        lines = [
+            f"An MTP head trained with `dflash-serve train --mtp` for `{target}`: {self.step} "
+            f"steps on `{self.args.data}`.",
+            "",
+            f"Serve with `dflash-serve --target {target} --draft <this folder>`.",
+        ]
+        save_mtp(self.draft, self.out, self.config, lines, getattr(mx, save_dtype))
+        self._save_state()
 
     # -- loop ---------------------------------------------------------------------------------
 
@@ -235,7 +272,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         args = self.args
-        loss_grad = nn.value_and_grad(self.draft, loss_and_metrics)
+        loss_grad = nn.value_and_grad(self.draft, mtp_loss if args.mtp else loss_and_metrics)
         if self.step == 0 or not self.history["eval"]:
             self.evaluate()
         bar = None
@@ -299,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         summary = Trainer(args).run()
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ModelLoadError) as exc:
         print(f"dflash-serve train: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=1))

@@ -65,7 +65,7 @@ def fresh_config(args: argparse.Namespace, model: nn.Module, tokenizer: Any) -> 
         "rms_norm_eps": float(getattr(targs, "rms_norm_eps", 1e-6)),
         "rope_theta": 1e7,
         "max_position_embeddings": int(getattr(targs, "max_position_embeddings", 32768)),
-        "block_size": args.block_size,
+        "block_size": args.block_size or 16,
         "num_target_layers": n,
         "dflash_config": {
             "target_layer_ids": taps,
@@ -104,7 +104,8 @@ def init_drafter(
     args: argparse.Namespace, model: nn.Module, tokenizer: Any
 ) -> tuple[DFlashDraftModel, dict[str, Any], str]:
     """(float32 drafter bound to ``model``, its config.json dict, the dtype to save in)."""
-    from dflash_server.models.loading import load_draft, resolve_model_path
+    from dflash_server.engine.loader import DRAFT_PATTERNS, resolve_model
+    from dflash_server.models.loading import load_draft
 
     is_json = args.init != "new" and Path(args.init).suffix == ".json"
     if args.init == "new" or is_json:
@@ -120,7 +121,7 @@ def init_drafter(
         mx.eval(draft.parameters())
         dtype = "float32"
     else:
-        path = resolve_model_path(args.init, ["*.safetensors", "*.json"])
+        path = resolve_model(args.init, "--init drafter", DRAFT_PATTERNS)
         config = json.loads((path / "config.json").read_text())
         refuse_unsupported(config, f"--init {args.init}")
         for key in ("quantization", "quantization_config"):

@@ -6,7 +6,9 @@ import { renderMarkdown } from "./markdown.js";
 import { assistantHtml } from "./views.js";
 
 const $ = (id) => document.getElementById(id);
-const KEYS = { apiKey: "dflash.apiKey", settings: "dflash.settings", chat: "dflash.conversation" };
+// Settings v2 keep only what the user set; the first version kept every field, so a stored
+// temperature or thinking switch could not tell a choice from the page's old defaults.
+const KEYS = { apiKey: "dflash.apiKey", settings: "dflash.settings.v2", chat: "dflash.conversation" };
 
 const state = {
   model: null, // served model id, from /health
@@ -38,26 +40,30 @@ function saveChat() {
 
 // ----- settings ------------------------------------------------------------------------------
 
+// Empty (or "server default") leaves a setting to the server: only what the user set is sent.
 const fields = ["thinking", "temperature", "block-size", "max-tokens", "tools"];
 
 function loadSettings() {
   $("api-key").value = localStorage.getItem(KEYS.apiKey) || "";
   const saved = loadJson(KEYS.settings, {});
-  for (const id of fields) {
-    if (!(id in saved)) continue;
-    if ($(id).type === "checkbox") $(id).checked = saved[id];
-    else $(id).value = saved[id];
-  }
-  $("temperature-value").textContent = Number($("temperature").value).toFixed(2);
+  for (const id of fields) if (typeof saved[id] === "string") $(id).value = saved[id];
   $("settings").open = window.matchMedia("(min-width: 56rem)").matches;
 }
 
 function saveSettings() {
   localStorage.setItem(KEYS.apiKey, $("api-key").value.trim());
   const values = {};
-  for (const id of fields) values[id] = $(id).type === "checkbox" ? $(id).checked : $(id).value;
+  for (const id of fields) if ($(id).value !== "") values[id] = $(id).value;
   localStorage.setItem(KEYS.settings, JSON.stringify(values));
-  $("temperature-value").textContent = Number($("temperature").value).toFixed(2);
+}
+
+// The server's defaults (GET /health), shown where a setting is left to them.
+function showDefaults(d) {
+  $("thinking").options[0].textContent = `server default (${d.enable_thinking ? "on" : "off"})`;
+  $("temperature").placeholder = `server default: ${d.temperature}`;
+  const block = d.speculative === false ? "plain decoding" : d.block_size;
+  $("block-size").placeholder = `server default: ${block}`;
+  $("max-tokens").placeholder = `server default: ${d.max_tokens ?? "no limit"}`;
 }
 
 function positiveInt(id) {
@@ -74,6 +80,7 @@ async function pollHealth() {
     const body = await res.json();
     state.model = (body.models || [])[0] || null;
     if (body.block_size) $("block-size").max = String(body.block_size);
+    if (body.defaults) showDefaults(body.defaults);
     state.attachments.configure(body);
     $("attach").disabled = !body.vision;
     $("attach").title = body.vision ? "Attach images (PNG, JPEG, WebP, GIF)"
@@ -99,6 +106,8 @@ function render() {
   box.scrollTop = box.scrollHeight;
 }
 
+const FOLDS = [["details.reasoning", "reasoningOpen"], ["details.tokens", "tokensOpen"]];
+
 function view(msg) {
   let el = state.views.get(msg);
   if (!el) {
@@ -115,11 +124,11 @@ function view(msg) {
   el.innerHTML = assistantHtml(msg);
   // Bar heights go through the CSSOM: the page's CSP forbids inline style attributes.
   el.querySelectorAll(".bar").forEach((bar) => bar.style.setProperty("--h", `${bar.dataset.h}%`));
-  const details = el.querySelector("details.reasoning");
-  if (details) {
-    details.querySelector("summary").addEventListener("click", () => {
-      msg.reasoningOpen = !details.open; // the user decides from now on
-    });
+  // Folded parts stay as the user left them across re-renders: the user decides from then on.
+  for (const [selector, key] of FOLDS) {
+    const details = el.querySelector(selector);
+    if (!details) continue;
+    details.querySelector("summary").addEventListener("click", () => { msg[key] = !details.open; });
   }
   return el;
 }
@@ -153,10 +162,12 @@ function requestBody() {
     stream: true,
     stream_options: { include_usage: true },
     dflash_tokens: true, // our stream extension: each token's text and source (draft/suffix/target)
-    temperature: Number($("temperature").value),
-    chat_template_kwargs: { enable_thinking: $("thinking").checked },
   };
   if (state.model) body.model = state.model;
+  const thinking = $("thinking").value;
+  if (thinking) body.chat_template_kwargs = { enable_thinking: thinking === "on" };
+  const temperature = Number.parseFloat($("temperature").value);
+  if (Number.isFinite(temperature)) body.temperature = temperature;
   const block = positiveInt("block-size");
   if (block) body.block_size = block;
   const maxTokens = positiveInt("max-tokens");

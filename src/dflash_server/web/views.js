@@ -37,15 +37,23 @@ function toolCallsHtml(msg) {
 // The `dflash_tokens` stream extension (requested with `dflash_tokens: true`): chunks carry
 // `dflash_tokens: [{"text": "...", "source": "draft" | "suffix" | "target"}, ...]`, one entry per
 // committed token, saying whether it was an accepted drafter token, an accepted copy from the
-// context (suffix drafts) or the target's own. The answer's tokens are shown again below it,
-// tinted by source. Nothing else depends on it.
+// context (suffix drafts) or the target's own. The tokens, tinted by source, are the answer
+// again: they stay folded under a summary that is the colours' legend with each one's count.
+const SOURCES = { draft: "accepted draft", suffix: "copied (suffix)", target: "target" };
+
 function tokensHtml(msg) {
   if (!msg.tokens || !msg.tokens.length) return "";
+  const counts = {};
   const spans = msg.tokens.map((t) => {
-    const source = t.source === "draft" || t.source === "suffix" ? t.source : "target";
+    const source = Object.hasOwn(SOURCES, t.source) ? t.source : "target";
+    counts[source] = (counts[source] || 0) + 1;
     return `<span class="tok ${source}" title="${source}">${escapeHtml(t.text)}</span>`;
   });
-  return `<p class="tokens" aria-label="Tokens by source: accepted draft, copied (suffix) or target">${spans.join("")}</p>`;
+  const legend = Object.entries(SOURCES).filter(([source]) => counts[source]).map(([source, name]) =>
+    `<span class="key"><span class="swatch ${source}"></span>${name}: ${counts[source]}</span>`);
+  return `<details class="tokens"${msg.tokensOpen ? " open" : ""}>` +
+    `<summary>Tokens by source${legend.join("")}</summary>` +
+    `<p class="tok-text">${spans.join("")}</p></details>`;
 }
 
 function noticeHtml(msg) {
@@ -64,7 +72,8 @@ function statsHtml(msg) {
   const d = msg.dflash;
   const usage = msg.usage || {};
   const items = [];
-  const tokens = usage.completion_tokens;
+  // A stopped answer gets no usage: count the tokens the stream brought (dflash_tokens).
+  const tokens = usage.completion_tokens ?? msg.tokens?.length;
   if (tokens != null) items.push(["tokens", String(tokens)]);
   let tps = d && d.generation_tps;
   if (!tps && tokens && msg.elapsed && msg.ttft != null && msg.elapsed > msg.ttft) {
@@ -72,6 +81,7 @@ function statsHtml(msg) {
   }
   if (tps) items.push(["tok/s", tps.toFixed(1)]);
   if (msg.ttft != null) items.push(["TTFT", `${Math.round(msg.ttft)} ms`]);
+  if (msg.elapsed != null) items.push(["elapsed", `${(msg.elapsed / 1000).toFixed(1)} s`]);
   if (d && d.speculative === false) items.push(["mode", "plain decoding"]);
   if (d && d.tau) items.push(["τ", d.tau.toFixed(2)]);
   if (d && d.acceptance_rate != null) items.push(["accepted", `${Math.round(d.acceptance_rate * 100)} %`]);

@@ -1,0 +1,216 @@
+"""The target's own multi-token-prediction head (Qwen3.5/3.6 ``mtp.*``) as a drafter.
+
+One decoder layer trained with the target. At each position i it reads the target's final
+(normed) hidden state h_i and the token after it, x_{i+1}::
+
+    m_i = fc([norm_e(embed(x_{i+1})) ; norm_h(h_i)])       (2H -> H)
+    o_i = norm(layer(m_i))                                 (full attention over m_0 .. m_i)
+    q(x_{i+2}) = softmax(lm_head(o_i))
+
+It drafts k tokens one after another: the first from (h_{n-1}, the anchor x_n), each next one
+from its own previous output o and the draft it just proposed. Its context is the layer's K/V
+over committed positions only, plus the newest committed position's hidden state, which waits
+for the token after it; whatever drafting adds is dropped at once, so it never rolls back. The embedding, final norm and LM head are the target's (``bind``); the layer is
+mlx-lm's own Qwen3.5 decoder layer (docs/design.md, "Drafter families").
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+
+from dflash_server.models.drafter import DraftSampler
+from dflash_server.models.target_parts import find_target_parts
+
+DEFAULT_BLOCK = 8  # the widest cycle it may verify (1 + drafts); "auto" picks 1..this
+
+
+@dataclass
+class MTPConfig:
+    """What the decoder reads of a drafter's config, and the head's own layer arguments."""
+
+    text: dict[str, Any]  # the target's text config (the head's layer mirrors its layers)
+    block_size: int = DEFAULT_BLOCK
+    mask_token_id: int = 0  # block positions after the anchor are never read by MTP
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text["hidden_size"])
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.text.get("mtp_num_hidden_layers", 1))
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """The tap it reads: the target's last layer (normed with the target's final norm)."""
+        return (int(self.text["num_hidden_layers"]) - 1,)
+
+    def layer_args(self) -> TextModelArgs:
+        args = TextModelArgs.from_dict(copy.deepcopy(self.text))
+        return args
+
+
+class MTPContext(KVCache):
+    """The head's layer K/V over committed positions. Position i's entry needs x_{i+1}, so it
+    holds one entry fewer than the positions seen: restoring ``length`` prompt tokens keeps the
+    first ``length - 1`` entries (the last one's next token may differ)."""
+
+    max_size = None  # cut to any prefix, like a full-attention context
+
+    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
+        if self.keys is None:
+            return None
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :], self.offset + 1
+
+    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
+        if snapshot is None:
+            self.keys = self.values = None
+            self.offset = 0
+            return
+        keys, values, length = snapshot
+        self.keys, self.values = keys[..., : length - 1, :], values[..., : length - 1, :]
+        self.offset = length - 1
+
+
+class PendingHidden:
+    """The newest committed position's hidden state ([1, 1, H]), until the token after it is
+    known. Valid only where it was taken, so prefix snapshots keep it at checkpoints."""
+
+    max_size = 1
+
+    def __init__(self) -> None:
+        self.hidden: mx.array | None = None
+        self.offset = 0  # positions seen
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.hidden is None else [self.hidden]
+
+    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
+        if self.hidden is None:
+            return None
+        kv = self.hidden[:, None]  # [1, 1, 1, H]: the shape of one position of K/V
+        return kv, kv, self.offset
+
+    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
+        self.hidden = None if snapshot is None else snapshot[0][:, 0]
+        self.offset = 0 if snapshot is None else snapshot[2]
+
+
+class MTPDrafter(nn.Module):
+    """The MTP head, loaded from the target's checkpoint (``models/loading.py``)."""
+
+    family = "MTP"
+
+    def __init__(self, config: MTPConfig):
+        super().__init__()
+        self.config = config
+        args = config.layer_args()
+        hidden = args.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+        # A full-attention layer of the target's kind (layer index: the first attention one).
+        full = args.full_attention_interval - 1
+        self.layers = [DecoderLayer(args, full) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+        self._bound: tuple[Any, Any, Any] | None = None  # (embed, final norm, lm_head)
+
+    def bind(self, target: nn.Module) -> MTPDrafter:
+        """Borrow the target's embedding, final norm and LM head; refuse a target it does not
+        fit (the head is trained with one target: same sizes)."""
+        parts = find_target_parts(target)
+        args = self.config.layer_args()
+        if (parts.hidden_size, parts.num_layers) != (args.hidden_size, args.num_hidden_layers):
+            raise ValueError(
+                f"MTP head for a {args.num_hidden_layers}-layer, {args.hidden_size}-wide target "
+                f"does not fit this {parts.num_layers}-layer, {parts.hidden_size}-wide one: use "
+                "the head of this target's own checkpoint (--draft mtp)"
+            )
+        self._bound = (parts.embed_tokens, parts.backbone.norm, parts.lm_head)
+        return self
+
+    def set_window(self, window: int | None) -> int | None:
+        return None  # one layer over the context: no window to bound
+
+    def make_cache(self) -> list[Any]:
+        return [MTPContext() for _ in self.layers] + [PendingHidden()]
+
+    def append_context(
+        self, target_hidden: mx.array, cache: list[Any], tokens: mx.array | None = None
+    ) -> None:
+        """Pair each new committed position with the token after it (the next position's
+        token; the newest waits in ``PendingHidden`` for the next call or the anchor)."""
+        if tokens is None:
+            raise ValueError("the MTP head needs the tokens of its context positions")
+        embed, final_norm, _ = self.borrowed()
+        hidden = final_norm(target_hidden)
+        pending = cache[-1]
+        if pending.hidden is not None:  # its next token is the first one fed here
+            hidden = mx.concatenate([pending.hidden, hidden], axis=1)
+            nxt = tokens
+        else:  # the prompt's first position: nothing before it
+            nxt = tokens[1:]
+        if nxt.shape[0] > 0:
+            self._layers(embed(nxt[None]), hidden[:, : nxt.shape[0]], cache[:-1])
+        pending.hidden = hidden[:, -1:]
+        pending.offset += target_hidden.shape[1]
+
+    def propose(
+        self,
+        block_ids: mx.array,
+        target_hidden: mx.array | None,
+        cache: list[Any],
+        sampler: DraftSampler,
+        history: mx.array | None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """``block_ids.shape[1] - 1`` drafts after the anchor (``block_ids[0, 0]``), one MTP
+        pass each, and the log q of each (None when greedy)."""
+        if target_hidden is not None:
+            raise ValueError("the MTP head takes its context through append_context")
+        embed, _, lm_head = self.borrowed()
+        pending, layers = cache[-1], cache[:-1]
+        if pending.hidden is None:
+            raise RuntimeError("the MTP head has no context (its prefill fed none)")
+        k = block_ids.shape[1] - 1
+        # Every pass here adds K/V that is dropped below: the anchor's own entry joins the
+        # context with the next append_context, so drafting never changes the cache.
+        out = self._layers(embed(block_ids[:, :1]), pending.hidden, layers)
+        drafts, log_qs = [], []
+        for j in range(k):
+            draft, log_q = sampler.propose(lm_head(out)[0], history)
+            drafts.append(draft)
+            log_qs.append(log_q)
+            if j < k - 1:
+                out = self._layers(embed(draft[None]), out, layers)
+        for c in layers:
+            c.trim(k)
+        sampled = [q for q in log_qs if q is not None]
+        return mx.concatenate(drafts), mx.concatenate(sampled) if sampled else None
+
+    def _layers(self, emb: mx.array, hidden: mx.array, caches: list[Any]) -> mx.array:
+        """The head over positions whose token embeddings and hidden states are given
+        ([1, T, H] each); appends their K/V; returns the normed outputs."""
+        m = self.fc(
+            mx.concatenate(
+                [self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], axis=-1
+            )
+        )
+        mask = create_attention_mask(m, caches[0])  # as the target's own layers get it
+        for layer, c in zip(self.layers, caches):
+            m = layer(m, mask, c)
+        return self.norm(m)
+
+    def borrowed(self) -> tuple[Any, Any, Any]:
+        """The target's embedding, final norm and LM head (set by ``bind``)."""
+        if self._bound is None:
+            raise RuntimeError("MTPDrafter.bind(target) must be called before drafting")
+        return self._bound
