@@ -11,10 +11,12 @@ drawn from the image's digest, so a different image with the same text never hit
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from dflash_server.generation.target import TargetModel
 from dflash_server.models.mrope import Positions, prompt_positions
 from dflash_server.models.vision import ImageInput, VisionTower
 
@@ -40,6 +42,12 @@ class PromptImages:
             words = -1 - (np.frombuffer(image.digest, dtype="<u4") & 0x7FFFFFFF).astype(np.int64)
             key[self.pads[self.first[k] : self.first[k + 1]]] = np.resize(words, counts[k])
         self.key: tuple[int, ...] = tuple(key.tolist())  # never a token: ids are < 0
+
+    def inputs(self, tokens: mx.array, begin: int, end: int, target: TargetModel) -> dict[str, Any]:
+        """What ``target.forward`` takes for prompt tokens ``begin .. end`` (``tokens`` [1, T])
+        besides them: their embeddings (features at image tokens) and positions."""
+        embeddings = self.embeddings(tokens, begin, end, target.parts.embed_tokens)
+        return {"embeddings": embeddings, "positions": self.positions(begin, end)}
 
     def positions(self, begin: int, end: int) -> Positions:
         """The 3-D positions of prompt tokens ``begin .. end``."""

@@ -166,8 +166,9 @@ class Row:
             last = end == len(prompt)
             rows = slice(-1, None) if last else None
             with mx.stream(generation_stream):
-                inputs = self._prompt_inputs(tokens[:, begin:end], begin, end)
-                logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows, **inputs)
+                chunk = tokens[:, begin:end]
+                inputs = self.images.inputs(chunk, begin, end, self.target) if self.images else {}
+                logits, taps = self.target.forward(chunk, self.cache, rows, **inputs)
                 if self.draft is not None:
                     fed = tokens[0, begin:end]
                     self.draft.append_context(_tapped(taps), _ctx(self.draft_cache), fed)
@@ -184,14 +185,6 @@ class Row:
                     raise
         self.images = None  # the features are in the cache now
         return self.first_token(_rows(logits)[0], checkpoints)
-
-    def _prompt_inputs(self, tokens: mx.array, begin: int, end: int) -> dict[str, Any]:
-        """With images: a prompt chunk's embeddings (features at image tokens) and positions."""
-        if self.images is None:
-            return {}
-        embed = self.target.parts.embed_tokens
-        embeddings = self.images.embeddings(tokens, begin, end, embed)
-        return {"embeddings": embeddings, "positions": self.images.positions(begin, end)}
 
     def first_token(self, logits: mx.array, checkpoints: dict[int, Checkpoint]) -> Cycle:
         """After the prompt's prefill: keep its snapshot (with a prefix cache) and start the
