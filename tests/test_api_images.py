@@ -246,6 +246,32 @@ def test_bad_images_are_400s_naming_field_and_cause(
     assert error["type"] == "invalid_request_error"
 
 
+def test_pixel_limits(
+    server: RunningServer, tiny_vl: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image over the decoding limit (a decompression bomb) and one the processor cannot
+    resize (aspect ratio over 200) are 400s naming the field and the cause; a large one within
+    the limits is resized to --max-image-pixels (its tokens counted in the prompt)."""
+    import dflash_server.api.images as images
+
+    def post(image: Image.Image) -> httpx.Response:
+        body = {"messages": [user(image_part(data_url(image)))], "max_tokens": 1}
+        return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+
+    monkeypatch.setattr(images, "MAX_DECODED_PIXELS", 64 * 64)
+    r = post(picture(4, (96, 64)))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    assert "this server decodes" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    r = post(picture(5, (1, 300)))
+    assert r.status_code == 400 and "aspect ratio" in r.json()["error"]["message"]
+    vision = tiny_vl[2]
+    sizes = [(96, 64), (1024, 768)]
+    small, large = (post(picture(6, size)).json()["usage"]["prompt_tokens"] for size in sizes)
+    capped = vision.count(vision.prepare(picture(6, sizes[1])))  # the processor's 256 x 256
+    assert large - small == capped - 6 and capped * 32 * 32 <= vision.max_pixels
+
+
 def test_bad_images_on_the_other_apis(server: RunningServer) -> None:
     client = oai(server)
     with pytest.raises(openai.BadRequestError, match="file_id"):

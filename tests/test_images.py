@@ -137,6 +137,32 @@ def test_prompt_positions_refuse_a_mismatch() -> None:
         expand_pads([1, 9, 2], 9, [2, 3])
 
 
+def test_pixel_caps_and_decoding(tiny_vl: tuple) -> None:
+    """Images are resized within the server's cap and the processor's own min and max; files
+    decode as PNG, JPEG, WebP or GIF only, up to a pixel limit, and anything else says why."""
+    import io
+
+    from dflash_server.models.vision import open_image
+
+    vision = tiny_vl[2]
+    big = picture(7, (256, 256))
+    assert vision.count(vision.prepare(big)) == 64  # the processor's 256 x 256 at most
+    assert vision.count(vision.prepare(big, 128 * 128)) == 16
+    assert vision.count(vision.prepare(big, 10)) == vision.min_pixels // 32**2
+    buffer = io.BytesIO()
+    big.save(buffer, format="BMP")
+    with pytest.raises(ValueError, match="BMP images are not supported"):
+        open_image(buffer.getvalue())
+    buffer = io.BytesIO()
+    big.save(buffer, format="PNG")
+    with pytest.raises(ValueError, match="more than the 100 this server decodes"):
+        open_image(buffer.getvalue(), 100)
+    with pytest.raises(ValueError, match="does not decode"):
+        open_image(buffer.getvalue()[:200])
+    with pytest.raises(ValueError, match="not an image"):
+        open_image(b"GIF89a but not really")
+
+
 # -- greedy, logprobs ------------------------------------------------------------------------
 
 

@@ -69,9 +69,10 @@ class VisionTower:
         self.max_pixels = int(processor.max_pixels)
 
     def prepare(self, image: Any, max_pixels: int | None = None) -> ImageInput:
-        """An RGB PIL image as patches, resized within the processor's min pixels and
-        ``max_pixels`` (default: the processor's); a ValueError names what is wrong with it."""
-        cap = self.max_pixels if max_pixels is None else max(self.min_pixels, max_pixels)
+        """An RGB PIL image as patches, resized within the processor's min and max pixels and
+        ``max_pixels``; a ValueError names what is wrong with it."""
+        cap = self.max_pixels if max_pixels is None else min(self.max_pixels, max_pixels)
+        cap = max(self.min_pixels, cap)
         out = self.processor(images=[image], min_pixels=self.min_pixels, max_pixels=cap)
         return ImageInput.of(out["pixel_values"], out["image_grid_thw"][0])
 
