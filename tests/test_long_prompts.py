@@ -73,3 +73,125 @@ def test_a_cancelled_prefill_is_kept_and_the_retry_resumes(
     text = "".join(e.text for e in events if isinstance(e, TextChunk))
     assert text == "".join(r.text for r in cold)
     assert cache.stats()["entries"] >= 1 and cache.nbytes <= cache.budget
+
+
+# -- costs that know the context, and that stay true ------------------------------------------
+
+
+def test_costs_grow_with_the_context(tiny_hybrid: Any) -> None:
+    """The load-time measure gives each width's growth per context token; a long context
+    makes wide cycles dearer, so the controller narrows them there."""
+    from dflash_server.generation.calibrate import measure_costs
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.testing import random_drafter
+
+    model, _ = tiny_hybrid
+    measured = measure_costs(model, random_drafter(model), long_context=512, calibrate=False)
+    assert set(measured.slope) >= {1, 2, 16} and measured.draft_slope >= 0
+    assert list(measured.slope.values()) == sorted(measured.slope.values())  # never shrinking
+    assert measured.cycle(16, context=50_000) >= measured.cycle(16)
+
+    # Synthetic: a verify of 16 costs 1.8 plain steps at the short context, and each context
+    # token adds 2e-6 plain steps per verified position: at 50k tokens 16 wide is 2x dearer.
+    from test_adaptive import costs
+
+    steep = costs()
+    steep.slope = {w: 2e-6 * w for w in (1, 2, 4, 8, 16)}
+    near = BlockController(16, steep.copy())
+    near.acceptance.rate, near.acceptance.tried = 0.85, [0.0] * 15
+    far = BlockController(16, steep.copy())
+    far.acceptance.rate, far.acceptance.tried = 0.85, [0.0] * 15
+    wide = near.choose(100, None, context=64).size
+    assert 8 <= wide and 1 <= far.choose(100, None, context=50_000).size < wide
+
+
+def test_the_pairs_costs_learn_from_every_request() -> None:
+    """A request's cycles also refine the pair's model, which the next request starts from."""
+    from test_adaptive import costs
+
+    pair = costs(refine=True)
+    first = pair.copy()
+    for _ in range(40):  # cycles of 16 take three times what the load-time measure said
+        first.observe(16, 3 * first.base(16))
+    assert first.cycle(16) > 2.5 * pair.base(16)
+    assert pair.cycle(16) > 1.5 * pair.base(16)  # the pair's model moved too, more slowly
+    assert pair.copy().cycle(16) == pytest.approx(pair.cycle(16))
+
+
+def _inflated(measured: Any, factor: float) -> Any:
+    """Drafted cycles as a busy moment would have measured them: ``factor`` x dearer."""
+    import math
+
+    busy = measured.copy()
+    busy.shared = None
+    for width in [w for w in busy.verify if w > 1]:
+        busy.residual[width] = busy.residual.get(width, 0.0) + math.log(factor)
+    return busy
+
+
+def test_a_busy_calibration_recovers_alone(tiny_hybrid: Any) -> None:
+    """Drafted cycles measured 5x dearer than they are: the request starts plain, its probes
+    come in far cheaper than estimated, so it probes again soon and soon speculates."""
+    from dflash_server.generation.calibrate import measure_costs
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.testing import ReplayDrafter, random_drafter
+    from test_batching import make_decoder, plain_greedy, tokens_of
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model, block_size=8)
+    prompt = list(tokenizer.encode("def fibonacci(n):"))
+    reference = plain_greedy(model, prompt, 600)
+    busy = _inflated(measure_costs(model, inner), 5.0)
+    policy = BlockController(8, busy)
+    run = make_decoder(model, ReplayDrafter(prompt + reference, [7], inner), 8, policy=policy)
+    commits = list(run.generate(prompt, 600))
+    assert tokens_of(commits) == reference
+    drafted = [c.drafted for c in commits[-40:]]
+    assert sum(drafted) > 100, drafted  # the last 40 commits are mostly full drafter blocks
+
+
+def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any) -> None:
+    """Batched passes measured 20x dearer than they are: the budget narrows every row to
+    plain at first, lets a pass through now and then to measure it, finds it far cheaper and
+    lifts the cap; every row still equals its lone run."""
+    import math
+
+    from dflash_server.generation.batch import BatchDecoder
+    from dflash_server.generation.batch_budget import measure_pass_costs
+    from dflash_server.generation.calibrate import measure_costs
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.generation.target import TargetModel
+    from dflash_server.testing import ReplayDrafter, random_drafter
+    from test_batching import make_decoder, plain_greedy, step_rows, tokens_of
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model, block_size=8)
+    target = TargetModel(model, inner.config.target_layer_ids)
+    measured = measure_costs(model, inner)
+    busy = measure_pass_costs(target, inner, width=8, growth=measured)
+    busy.spec_residual = {8 * r: math.log(20.0) for r in (1, 2, 4, 8)}
+    batch = BatchDecoder(target, costs=busy)
+    prompts = [list(tokenizer.encode(p)) for p in ("def fib(n):", "The quick", "import os", "x =")]
+    rows = {}
+    for i, prompt in enumerate(prompts):
+        reference = plain_greedy(model, prompt, 300)
+        draft = ReplayDrafter(prompt + reference, [7], inner)
+        policy = BlockController(8, measured.copy())
+        rows[i] = (make_decoder(model, draft, 8, policy=policy).row, prompt, 300)
+    widths: list[int] = []
+    step = batch.step
+
+    def recorded() -> Any:
+        passes = batch.passes
+        out = step()
+        if batch.passes > passes:
+            widths.append(batch.last_pass[1] // batch.last_pass[0])
+        return out
+
+    batch.step = recorded  # type: ignore[method-assign]
+    out = step_rows(batch, rows)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(out[i]) == plain_greedy(model, prompt, 300), i
+    assert widths[:3] == [1, 1, 1]  # the busy costs capped the first passes
+    late = widths[len(widths) // 2 :]
+    assert sum(w > 1 for w in late) > 0.8 * len(late), widths  # then speculation ran

@@ -111,6 +111,11 @@ class Row:
         return self.max_tokens - self.produced
 
     @property
+    def position(self) -> int:
+        """Tokens so far (prompt and output): what the next cycle attends to."""
+        return len(self._history)
+
+    @property
     def pinned(self) -> bool:
         """Whether its widths are part of its answer (a seeded sampled row: its random draws
         follow the widths), so a batch must not narrow them."""
@@ -234,7 +239,7 @@ class Row:
         positions (default: the tokens still wanted)."""
         room = self.room if room is None else room
         proposal = self.suffix.propose(room - 1) if self.suffix is not None else None
-        return self.policy.choose(room, proposal)
+        return self.policy.choose(room, proposal, self.position)
 
     def copying(self) -> bool:
         """Whether the next cycle may verify a copy (cheap: no proposal is built here)."""

@@ -76,7 +76,7 @@ class SpeculativeDecoder:
             # A lookahead decides before the step's token is known: not while a copy may be
             # verified (one starting at that token would be missed).
             if lookahead and cycle.size == 1 and row.room > 1 and not row.copying():
-                planned = row.policy.choose(row.room - 1)
+                planned = row.policy.choose(row.room - 1, context=row.position)
                 if planned.size == 1:
                     queued, planned = self._queue(planned, cycle.result[1:2]), None
             commit = self._read(cycle)
