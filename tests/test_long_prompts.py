@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from dflash_server.engine.jobs import Failed, Finished, TextChunk
@@ -102,7 +103,7 @@ def test_costs_grow_with_the_context(tiny_hybrid: Any) -> None:
     far = BlockController(16, steep.copy())
     far.acceptance.rate, far.acceptance.tried = 0.85, [0.0] * 15
     wide = near.choose(100, None, context=64).size
-    assert 8 <= wide and 1 <= far.choose(100, None, context=50_000).size < wide
+    assert wide >= 8 and 1 <= far.choose(100, None, context=50_000).size < wide
 
 
 def test_the_pairs_costs_learn_from_every_request() -> None:
@@ -195,3 +196,57 @@ def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any) -> None:
     assert widths[:3] == [1, 1, 1]  # the busy costs capped the first passes
     late = widths[len(widths) // 2 :]
     assert sum(w > 1 for w in late) > 0.8 * len(late), widths  # then speculation ran
+
+
+@pytest.mark.parametrize("checkpoints", [(), (150, 260)])
+def test_a_windowed_drafter_skips_what_it_never_reads(
+    tiny_hybrid: Any, monkeypatch: pytest.MonkeyPatch, checkpoints: tuple[int, ...]
+) -> None:
+    """A 400-token prompt, a drafter window of 32 (4 sinks): only the positions it reads are
+    projected (sinks, the window before the end and before each checkpoint), and its context
+    (and a snapshot's windows) equal a prefill that projected every position."""
+    from dflash_server.generation import row as row_module
+    from dflash_server.generation.policy import FixedBlock
+    from dflash_server.generation.row import Row
+    from dflash_server.generation.sampling import SamplingParams, TokenSampler
+    from dflash_server.generation.target import TargetModel
+    from dflash_server.models.window import apply_draft_window
+    from dflash_server.testing import random_drafter
+
+    model, _ = tiny_hybrid
+    draft = random_drafter(model, block_size=4)
+    apply_draft_window(draft, 32)
+    prompt = [(11 * i) % 300 + 5 for i in range(400)]
+    projected: list[int] = []
+    append = draft.append_context
+
+    def counted(taps: Any, cache: Any, tokens: Any = None) -> None:
+        projected.append(taps.shape[1])
+        append(taps, cache, tokens)
+
+    def prefill(skip: bool) -> Row:
+        if not skip:
+            monkeypatch.setattr(row_module, "prompt_reads", lambda *a: None)
+        target = TargetModel(model, draft.config.target_layer_ids)
+        row = Row(target, draft, TokenSampler(SamplingParams()), FixedBlock(4),
+                  prefill_step_size=64, prefix=PrefixCache(1 << 30), checkpoints=checkpoints)  # fmt: skip
+        row.begin(prompt, 4)
+        row.prefill()
+        monkeypatch.undo()
+        return row
+
+    monkeypatch.setattr(draft, "append_context", counted)
+    skipping = prefill(skip=True)
+    assert sum(projected) <= 4 + 28 * (1 + len(checkpoints)) + 64  # reads, plus chunk edges
+    projected.clear()
+    monkeypatch.setattr(draft, "append_context", counted)
+    full = prefill(skip=False)
+    assert sum(projected) == 400
+    for a, b in zip(skipping.draft_cache, full.draft_cache):
+        assert a.offset == b.offset == 400
+        (ka, va), (kb, vb) = a.fetch(), b.fetch()
+        assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+    snaps = [next(iter(r.prefix._entries.values())).snapshot for r in (skipping, full)]
+    for p in checkpoints:  # the windows a snapshot keeps at each checkpoint match too
+        for wa, wb in zip(snaps[0].checkpoints[p].draft, snaps[1].checkpoints[p].draft):
+            assert all(mx.allclose(x, y, atol=1e-5).item() for x, y in zip(wa, wb))

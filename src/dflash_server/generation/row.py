@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_server.generation.cycle import FLUSH, PREFILL_CHUNK, Commit, Cycle, terminate
+from dflash_server.generation.draft_context import feed_prompt, prompt_reads
 from dflash_server.generation.policy import DRAFTER, PLAIN, SUFFIX, Choice, FixedBlock, WidthPolicy
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
 from dflash_server.generation.protocols import Drafter, DraftRow, PrefixStore, TokenConstraint
@@ -153,14 +154,15 @@ class Row:
         start, checkpoints = self._restore()
         tokens = mx.array(prompt)[None]
         wanted = self.checkpoint_positions()
+        reads = prompt_reads(self.draft, len(prompt), wanted) if self.draft is not None else None
         for begin, end in self._chunks(start, len(prompt)):
             last = end == len(prompt)
             rows = slice(-1, None) if last else None
             with mx.stream(generation_stream):
                 logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows)
                 if self.draft is not None:
-                    fed = tokens[0, begin:end]
-                    self.draft.append_context(_tapped(taps), _ctx(self.draft_cache), fed)
+                    feed_prompt(self.draft, _ctx(self.draft_cache), _tapped(taps), tokens[0],
+                                (begin, end), reads)  # fmt: skip
                 if end in wanted:
                     checkpoints[end] = Checkpoint.take(self.cache, self.draft_cache)
                 if not last:  # bound peak memory: materialise this chunk before the next

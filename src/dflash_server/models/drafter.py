@@ -300,6 +300,26 @@ class DFlashDraftModel(nn.Module):
                 c.skip(skipped)
             layer.self_attn.append_context(context, c)
 
+    def context_window(self) -> tuple[int, int] | None:
+        """(newest, sinks) positions its layers read: a sliding layer its trained window, a
+        full one the server's sink window (``models/window.py``); None if any reads them all."""
+        newest, sinks = 0, 0
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.window is not None:
+                newest = max(newest, attn.window - 1)
+            elif attn.context_window is not None:
+                window, layer_sinks = attn.context_window
+                newest, sinks = max(newest, window - layer_sinks), max(sinks, layer_sinks)
+            else:
+                return None
+        return newest, sinks
+
+    def skip_context(self, n: int, cache: list[ContextCache]) -> None:
+        """Advance every layer's context past ``n`` positions no query will read."""
+        for c in cache:
+            c.skip(n)
+
     def _bound_target(self) -> _BoundTarget:
         if self._bound is None:
             raise RuntimeError(f"{type(self).__name__}.bind(target) must be called before drafting")
