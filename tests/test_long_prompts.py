@@ -250,3 +250,38 @@ def test_a_windowed_drafter_skips_what_it_never_reads(
     for p in checkpoints:  # the windows a snapshot keeps at each checkpoint match too
         for wa, wb in zip(snaps[0].checkpoints[p].draft, snaps[1].checkpoints[p].draft):
             assert all(mx.allclose(x, y, atol=1e-5).item() for x, y in zip(wa, wb))
+
+
+@pytest.mark.slow
+def test_a_client_that_times_out_and_retries_gets_its_answer(
+    tiny_hybrid_path: Path, draft_path: Path
+) -> None:
+    """The Anthropic SDK with a timeout shorter than a long prompt's prefill: each attempt is
+    cancelled part-way, keeps its chunks, and a retry resumes there until one completes."""
+    import time
+
+    import anthropic
+    import httpx
+
+    from server_fixtures import make_app, run_server
+
+    app = make_app(tiny_hybrid_path, draft_path, served_model_name="tiny", prefill_step_size=32)
+
+    def words(tag: str) -> str:
+        return " ".join(f"{tag}{i % 97}" for i in range(3000))
+
+    with run_server(app) as srv:
+        # How long a cold prefill of such a prompt takes here (another prompt: nothing cached).
+        body = {"model": "tiny", "max_tokens": 1,
+                "messages": [{"role": "user", "content": words("v")}]}  # fmt: skip
+        begin = time.monotonic()
+        httpx.post(f"{srv.base_url}/v1/messages", json=body, timeout=300).raise_for_status()
+        cold = time.monotonic() - begin
+        client = anthropic.Anthropic(
+            base_url=srv.base_url, api_key="x", timeout=max(0.5, cold / 3), max_retries=20
+        )
+        reply = client.messages.create(
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": words("w")}]
+        )
+    assert reply.stop_reason in ("max_tokens", "end_turn")
+    assert reply.usage.cache_read_input_tokens > 0  # resumed from an earlier attempt
