@@ -13,6 +13,10 @@ drafter (random weights: its pass costs what a real one's does):
   costs, which include the growth per context token), with the replaying test double at
   ``--tau`` (its full blocks commit tau tokens); every mode's tokens equal plain decoding's.
   Reported: decode tokens/s, auto / plain, auto / the best fixed width.
+* ``busy``: the batched pass costs and the cycle costs as a busy CPU measures them
+  (``--busy-factor`` x dearer for speculative passes and drafted cycles), then 4 streams at
+  tau 8 as the engine runs them: when each pass ran, its width, and the time until the batch
+  speculates again (real passes correct the costs), against a run with the true costs.
 
     LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 \\
         python benchmarks/bench_long.py --json /tmp/long.json
@@ -21,6 +25,7 @@ drafter (random weights: its pass costs what a real one's does):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import tempfile
@@ -150,6 +155,57 @@ def decode(model: Any, draft: Any, contexts: list[int], taus: list[int], n: int,
     return rows
 
 
+def busy(model: Any, draft: Any, factor: float, n: int) -> dict:
+    """Time from the first pass until the batch speculates, with costs a busy CPU measured."""
+    import math
+
+    from dflash_server.generation.batch import BatchDecoder
+    from dflash_server.generation.batch_budget import measure_pass_costs
+
+    target = TargetModel(model, draft.config.target_layer_ids)
+    costs = measure_costs(model, draft)
+    passes = measure_pass_costs(target, draft, growth=costs)
+    out = {}
+    for label, inflate in (("true costs", 1.0), (f"{factor:g}x dearer", factor)):
+        cycle, pass_costs = costs.copy(), copy.deepcopy(passes)
+        cycle.shared = None
+        for width in [w for w in cycle.verify if w > 1]:
+            cycle.residual[width] = cycle.residual.get(width, 0.0) + math.log(inflate)
+        pass_costs.spec_drift = math.log(inflate)
+        batch = BatchDecoder(target, costs=pass_costs)
+        rows = []
+        for i in range(4):
+            prompt = prompt_of(64 + i)
+            reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n + 16)]
+            replay = ReplayDrafter(prompt + reference, [7], draft)
+            row = Row(
+                target, replay, TokenSampler(SamplingParams()), BlockController(16, cycle.copy())
+            )
+            batch.add(row, prompt, n)
+            rows.append(row)
+        start, timeline = time.perf_counter(), []
+        while batch.busy:
+            before = batch.passes
+            batch.step()
+            if batch.passes > before:
+                rows_, verified = batch.last_pass
+                timeline.append((time.perf_counter() - start, verified // rows_))
+        wall = time.perf_counter() - start
+        wide = [t for t, w in timeline if w > 1]
+        # Recovered: from the first pass after which most passes are speculative.
+        settled = next((t for i, (t, _) in enumerate(timeline)
+                        if sum(w > 1 for _, w in timeline[i:]) > 0.8 * len(timeline[i:])),
+                       None)  # fmt: skip
+        out[label] = {
+            "passes": len(timeline),
+            "speculative_passes": len(wide),
+            "seconds_to_settle": None if settled is None else round(settled, 2),
+            "tok_s": round(4 * n / wall, 1),
+        }
+        print(json.dumps({"busy": label, **out[label]}), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", help="mlx-lm model (default: build a random ~100M qwen3_5)")
@@ -159,6 +215,7 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="*", default=[2, 4, 8, 16])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--busy-factor", type=float, default=20.0, help="0: skip the busy part")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -173,6 +230,8 @@ def main() -> None:
     if args.contexts:
         result["decode"] = decode(model, draft, args.contexts, args.tau, args.tokens,
                                   args.widths, args.rounds)  # fmt: skip
+    if args.busy_factor:
+        result["busy"] = busy(model, draft, args.busy_factor, 4 * args.tokens)
     write_json(args.json, result)
 
 
