@@ -140,7 +140,8 @@ class CalibrationCache:
                 )
                 return value
         value = measure()
-        self._write(path, {"key": key, "value": asdict(value)})
+        data = {k: v for k, v in asdict(value).items() if v is not None}  # links are not data
+        self._write(path, {"key": key, "value": data})
         return value
 
     def _write(self, path: Path, data: dict[str, Any]) -> None:

@@ -210,7 +210,7 @@ class Engine:
         pair = self.models.pair
         costs = None
         if pair.draft is not None and pair.measured is not None:
-            measure = partial(measure_pass_costs, pair.target, pair.draft)
+            measure = partial(measure_pass_costs, pair.target, pair.draft, growth=pair.measured)
             costs = self.models.calibration.fetch("batch", PassCosts, measure)
             log.info("%s", costs.describe())
         self.batch = self.rows = BatchDecoder(pair.target, self.max_verify, costs)

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_server.generation.cycle import FLUSH, PREFILL_CHUNK, Commit, Cycle, terminate
+from dflash_server.generation.draft_context import feed_prompt, prompt_reads
 from dflash_server.generation.images import PromptImages
 from dflash_server.generation.policy import DRAFTER, PLAIN, SUFFIX, Choice, FixedBlock, WidthPolicy
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
@@ -37,7 +38,6 @@ from dflash_server.generation.sampling import TokenSampler, apply_mask, point_ma
 from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.mrope import Positions
 
 _UNSEEN = object()  # the prefix cache was not asked yet
 
@@ -120,9 +120,9 @@ class Row:
         return self.max_tokens - self.produced
 
     @property
-    def positions(self) -> Positions | None:
-        """The rotary positions of the row's cycles, when not the cache offset."""
-        return Positions(shift=self.shift) if self.shift else None
+    def position(self) -> int:
+        """Tokens so far (prompt and output): what the next cycle attends to."""
+        return len(self._history)
 
     @property
     def pinned(self) -> bool:
@@ -162,6 +162,7 @@ class Row:
         start, checkpoints = self._restore()
         tokens = mx.array(prompt)[None]
         wanted = self.checkpoint_positions()
+        reads = prompt_reads(self.draft, len(prompt), wanted) if self.draft is not None else None
         for begin, end in self._chunks(start, len(prompt)):
             last = end == len(prompt)
             rows = slice(-1, None) if last else None
@@ -170,8 +171,8 @@ class Row:
                 inputs = self.images.inputs(chunk, begin, end, self.target) if self.images else {}
                 logits, taps = self.target.forward(chunk, self.cache, rows, **inputs)
                 if self.draft is not None:
-                    fed = tokens[0, begin:end]
-                    self.draft.append_context(_tapped(taps), _ctx(self.draft_cache), fed)
+                    feed_prompt(self.draft, _ctx(self.draft_cache), _tapped(taps), tokens[0],
+                                (begin, end), reads)  # fmt: skip
                 if end in wanted:
                     checkpoints[end] = Checkpoint.take(self.cache, self.draft_cache)
                 if not last:  # bound peak memory: materialise this chunk before the next
@@ -249,7 +250,7 @@ class Row:
         positions (default: the tokens still wanted)."""
         room = self.room if room is None else room
         proposal = self.suffix.propose(room - 1) if self.suffix is not None else None
-        return self.policy.choose(room, proposal)
+        return self.policy.choose(room, proposal, self.position)
 
     def copying(self) -> bool:
         """Whether the next cycle may verify a copy (cheap: no proposal is built here)."""

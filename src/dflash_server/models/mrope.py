@@ -27,6 +27,11 @@ class Positions:
     grid: mx.array | None = None
     shift: int | mx.array = 0
 
+    @classmethod
+    def shifted(cls, shift: int) -> Positions | None:
+        """The cache offset plus ``shift``; None for no shift (mlx-lm's own positions)."""
+        return cls(shift=shift) if shift else None
+
 
 def prompt_positions(
     tokens: Sequence[int], image_token: int, grids: Sequence[Sequence[int]], merge: int
