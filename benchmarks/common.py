@@ -53,14 +53,14 @@ def timed(fn: Callable[[], Any], repeats: int = 7) -> float:
 
 
 def decode_rate(steps: Iterable[Any]) -> tuple[list[int], float]:
-    """Tokens and decode tokens/s of a generator of commits or responses (each with ``.tokens``),
-    timed from the first one on, so the prefill is excluded."""
+    """Tokens and decode tokens/s of a generator of commits or responses (each with ``.tokens``,
+    or one ``.token`` as mlx-vlm's), timed from the first one on, so the prefill is excluded."""
     tokens: list[int] = []
     start = None
     for step in steps:
         if start is None:
             start = time.perf_counter()
-        tokens.extend(step.tokens)
+        tokens.extend(step.tokens if hasattr(step, "tokens") else [step.token])
     return tokens, (len(tokens) - 1) / (time.perf_counter() - start)
 
 

@@ -45,6 +45,26 @@ def tiny_attn(tiny_attn_path: Path) -> tuple[Any, Any]:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Qwen3.5 vision-language folder (mlx-vlm's layout): the tiny hybrid text model
+    plus a small vision tower and merger, with mlx-vlm's image processor config."""
+    from dflash_server.testing.vision import build_vision_target
+
+    return build_vision_target(tmp_path_factory.mktemp("models") / "tiny-vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(tiny_vl_path: Path) -> tuple[Any, Any, Any]:
+    """(model, TokenizerWrapper, VisionTower): ``mlx_lm.load`` and ``load_vision``."""
+    import mlx_lm
+
+    from dflash_server.models.vision import load_vision
+
+    model, tokenizer = mlx_lm.load(str(tiny_vl_path))
+    return model, tokenizer, load_vision(tiny_vl_path)
+
+
+@pytest.fixture(scope="session")
 def draft_path(tiny_hybrid_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small drafter folder for the tiny hybrid target (one per session: one fingerprint, so
     the calibration cache measures this pair once)."""

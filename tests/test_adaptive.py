@@ -41,7 +41,7 @@ class Scripted(FixedBlock):
         super().__init__(block_size)
         self.sizes, self.i = sizes, 0
 
-    def choose(self, room: int, proposal: Any = None) -> Choice:
+    def choose(self, room: int, proposal: Any = None, context: int = 0) -> Choice:
         size = self.sizes[self.i % len(self.sizes)]
         self.i += 1
         return Choice.width(max(1, min(size, room)))

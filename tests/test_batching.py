@@ -36,7 +36,7 @@ class Scripted(FixedBlock):
         super().__init__(max(widths))
         self.widths, self.i = widths, 0
 
-    def choose(self, room: int, proposal: Any = None) -> Choice:
+    def choose(self, room: int, proposal: Any = None, context: int = 0) -> Choice:
         w = self.widths[min(self.i, len(self.widths) - 1)]
         self.i += 1
         return Choice.width(max(1, min(w, room)))

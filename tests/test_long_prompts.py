@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from dflash_server.engine.jobs import Failed, Finished, TextChunk
@@ -73,3 +74,214 @@ def test_a_cancelled_prefill_is_kept_and_the_retry_resumes(
     text = "".join(e.text for e in events if isinstance(e, TextChunk))
     assert text == "".join(r.text for r in cold)
     assert cache.stats()["entries"] >= 1 and cache.nbytes <= cache.budget
+
+
+# -- costs that know the context, and that stay true ------------------------------------------
+
+
+def test_costs_grow_with_the_context(tiny_hybrid: Any) -> None:
+    """The load-time measure gives each width's growth per context token; a long context
+    makes wide cycles dearer, so the controller narrows them there."""
+    from dflash_server.generation.calibrate import measure_costs
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.testing import random_drafter
+
+    model, _ = tiny_hybrid
+    measured = measure_costs(model, random_drafter(model), long_context=512, calibrate=False)
+    assert set(measured.slope) >= {1, 2, 16} and measured.draft_slope >= 0
+    assert list(measured.slope.values()) == sorted(measured.slope.values())  # never shrinking
+    assert measured.cycle(16, context=50_000) >= measured.cycle(16)
+
+    # Synthetic: a verify of 16 costs 1.8 plain steps at the short context, and each context
+    # token adds 2e-6 plain steps per verified position: at 50k tokens 16 wide is 2x dearer.
+    from test_adaptive import costs
+
+    steep = costs()
+    steep.slope = {w: 2e-6 * w for w in (1, 2, 4, 8, 16)}
+    near = BlockController(16, steep.copy())
+    near.acceptance.rate, near.acceptance.tried = 0.85, [0.0] * 15
+    far = BlockController(16, steep.copy())
+    far.acceptance.rate, far.acceptance.tried = 0.85, [0.0] * 15
+    wide = near.choose(100, None, context=64).size
+    assert wide >= 8 and 1 <= far.choose(100, None, context=50_000).size < wide
+
+
+def test_the_pairs_costs_learn_from_every_request() -> None:
+    """A request's cycles also refine the pair's model, which the next request starts from."""
+    from test_adaptive import costs
+
+    pair = costs(refine=True)
+    first = pair.copy()
+    for _ in range(40):  # cycles of 16 take three times what the load-time measure said
+        first.observe(16, 3 * first.base(16))
+    assert first.cycle(16) > 2.5 * pair.base(16)
+    assert pair.cycle(16) > 1.5 * pair.base(16)  # the pair's model moved too, more slowly
+    assert pair.copy().cycle(16) == pytest.approx(pair.cycle(16))
+
+
+def _inflated(measured: Any, factor: float) -> Any:
+    """Drafted cycles as a busy moment would have measured them: ``factor`` x dearer."""
+    import math
+
+    busy = measured.copy()
+    busy.shared = None
+    for width in [w for w in busy.verify if w > 1]:
+        busy.residual[width] = busy.residual.get(width, 0.0) + math.log(factor)
+    return busy
+
+
+def test_a_busy_calibration_recovers_alone(tiny_hybrid: Any) -> None:
+    """Drafted cycles measured 5x dearer than they are: the request starts plain, its probes
+    come in far cheaper than estimated, so it probes again soon and soon speculates."""
+    from dflash_server.generation.calibrate import measure_costs
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.testing import ReplayDrafter, random_drafter
+    from test_batching import make_decoder, plain_greedy, tokens_of
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model, block_size=8)
+    prompt = list(tokenizer.encode("def fibonacci(n):"))
+    reference = plain_greedy(model, prompt, 600)
+    busy = _inflated(measure_costs(model, inner), 5.0)
+    policy = BlockController(8, busy)
+    run = make_decoder(model, ReplayDrafter(prompt + reference, [7], inner), 8, policy=policy)
+    commits = list(run.generate(prompt, 600))
+    assert tokens_of(commits) == reference
+    drafted = [c.drafted for c in commits[-40:]]
+    assert sum(drafted) > 100, drafted  # the last 40 commits are mostly full drafter blocks
+
+
+def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any) -> None:
+    """Batched passes measured 20x dearer than they are: the budget narrows every row to
+    plain at first, lets a pass through now and then to measure it, finds it far cheaper and
+    lifts the cap; every row still equals its lone run."""
+    import math
+
+    from dflash_server.generation.batch import BatchDecoder
+    from dflash_server.generation.batch_budget import measure_pass_costs
+    from dflash_server.generation.calibrate import measure_costs
+    from dflash_server.generation.controller import BlockController
+    from dflash_server.generation.target import TargetModel
+    from dflash_server.testing import ReplayDrafter, random_drafter
+    from test_batching import make_decoder, plain_greedy, step_rows, tokens_of
+
+    model, tokenizer = tiny_hybrid
+    inner = random_drafter(model, block_size=8)
+    target = TargetModel(model, inner.config.target_layer_ids)
+    measured = measure_costs(model, inner)
+    busy = measure_pass_costs(target, inner, width=8, growth=measured)
+    busy.spec_residual = {8 * r: math.log(20.0) for r in (1, 2, 4, 8)}
+    batch = BatchDecoder(target, costs=busy)
+    prompts = [list(tokenizer.encode(p)) for p in ("def fib(n):", "The quick", "import os", "x =")]
+    rows = {}
+    for i, prompt in enumerate(prompts):
+        reference = plain_greedy(model, prompt, 300)
+        draft = ReplayDrafter(prompt + reference, [7], inner)
+        policy = BlockController(8, measured.copy())
+        rows[i] = (make_decoder(model, draft, 8, policy=policy).row, prompt, 300)
+    widths: list[int] = []
+    step = batch.step
+
+    def recorded() -> Any:
+        passes = batch.passes
+        out = step()
+        if batch.passes > passes:
+            widths.append(batch.last_pass[1] // batch.last_pass[0])
+        return out
+
+    batch.step = recorded  # type: ignore[method-assign]
+    out = step_rows(batch, rows)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(out[i]) == plain_greedy(model, prompt, 300), i
+    assert widths[:3] == [1, 1, 1]  # the busy costs capped the first passes
+    late = widths[len(widths) // 2 :]
+    assert sum(w > 1 for w in late) > 0.8 * len(late), widths  # then speculation ran
+
+
+@pytest.mark.parametrize("checkpoints", [(), (150, 260)])
+def test_a_windowed_drafter_skips_what_it_never_reads(
+    tiny_hybrid: Any, monkeypatch: pytest.MonkeyPatch, checkpoints: tuple[int, ...]
+) -> None:
+    """A 400-token prompt, a drafter window of 32 (4 sinks): only the positions it reads are
+    projected (sinks, the window before the end and before each checkpoint), and its context
+    (and a snapshot's windows) equal a prefill that projected every position."""
+    from dflash_server.generation import row as row_module
+    from dflash_server.generation.policy import FixedBlock
+    from dflash_server.generation.row import Row
+    from dflash_server.generation.sampling import SamplingParams, TokenSampler
+    from dflash_server.generation.target import TargetModel
+    from dflash_server.models.window import apply_draft_window
+    from dflash_server.testing import random_drafter
+
+    model, _ = tiny_hybrid
+    draft = random_drafter(model, block_size=4)
+    apply_draft_window(draft, 32)
+    prompt = [(11 * i) % 300 + 5 for i in range(400)]
+    projected: list[int] = []
+    append = draft.append_context
+
+    def counted(taps: Any, cache: Any, tokens: Any = None) -> None:
+        projected.append(taps.shape[1])
+        append(taps, cache, tokens)
+
+    def prefill(skip: bool) -> Row:
+        if not skip:
+            monkeypatch.setattr(row_module, "prompt_reads", lambda *a: None)
+        target = TargetModel(model, draft.config.target_layer_ids)
+        row = Row(target, draft, TokenSampler(SamplingParams()), FixedBlock(4),
+                  prefill_step_size=64, prefix=PrefixCache(1 << 30), checkpoints=checkpoints)  # fmt: skip
+        row.begin(prompt, 4)
+        row.prefill()
+        monkeypatch.undo()
+        return row
+
+    monkeypatch.setattr(draft, "append_context", counted)
+    skipping = prefill(skip=True)
+    assert sum(projected) <= 4 + 28 * (1 + len(checkpoints)) + 64  # reads, plus chunk edges
+    projected.clear()
+    monkeypatch.setattr(draft, "append_context", counted)
+    full = prefill(skip=False)
+    assert sum(projected) == 400
+    for a, b in zip(skipping.draft_cache, full.draft_cache):
+        assert a.offset == b.offset == 400
+        (ka, va), (kb, vb) = a.fetch(), b.fetch()
+        assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+    snaps = [next(iter(r.prefix._entries.values())).snapshot for r in (skipping, full)]
+    for p in checkpoints:  # the windows a snapshot keeps at each checkpoint match too
+        for wa, wb in zip(snaps[0].checkpoints[p].draft, snaps[1].checkpoints[p].draft):
+            assert all(mx.allclose(x, y, atol=1e-5).item() for x, y in zip(wa, wb))
+
+
+@pytest.mark.slow
+def test_a_client_that_times_out_and_retries_gets_its_answer(
+    tiny_hybrid_path: Path, draft_path: Path
+) -> None:
+    """The Anthropic SDK with a timeout shorter than a long prompt's prefill: each attempt is
+    cancelled part-way, keeps its chunks, and a retry resumes there until one completes."""
+    import time
+
+    import anthropic
+    import httpx
+
+    from server_fixtures import make_app, run_server
+
+    app = make_app(tiny_hybrid_path, draft_path, served_model_name="tiny", prefill_step_size=32)
+
+    def words(tag: str) -> str:
+        return " ".join(f"{tag}{i % 97}" for i in range(3000))
+
+    with run_server(app) as srv:
+        # How long a cold prefill of such a prompt takes here (another prompt: nothing cached).
+        body = {"model": "tiny", "max_tokens": 1,
+                "messages": [{"role": "user", "content": words("v")}]}  # fmt: skip
+        begin = time.monotonic()
+        httpx.post(f"{srv.base_url}/v1/messages", json=body, timeout=300).raise_for_status()
+        cold = time.monotonic() - begin
+        client = anthropic.Anthropic(
+            base_url=srv.base_url, api_key="x", timeout=max(0.5, cold / 3), max_retries=20
+        )
+        reply = client.messages.create(
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": words("w")}]
+        )
+    assert reply.stop_reason in ("max_tokens", "end_turn")
+    assert reply.usage.cache_read_input_tokens > 0  # resumed from an earlier attempt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import mlx.core as mx
 import pytest
@@ -45,6 +46,11 @@ def exact_law(model, prompt: list[int], params: SamplingParams) -> dict[tuple[in
         probs = mx.exp(sampler.logprobs(logits))[0].tolist()
         return {i: v for i, v in enumerate(probs) if v > 0}
 
+    return joint_law(law)
+
+
+def joint_law(law: Callable[[list[int]], dict[int, float]]) -> dict[tuple[int, ...], float]:
+    """The joint law of 3 tokens from ``law`` (the next token's law after a prefix)."""
     return {
         (t0, t1, t2): p0 * p1 * p2
         for t0, p0 in law([]).items()

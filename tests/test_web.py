@@ -416,3 +416,106 @@ def test_no_web_turns_the_page_off(tiny_hybrid_path: Path, tmp_path: Path) -> No
         assert on.get(path).status_code == 200
         assert off.get(path).status_code == 404
     assert off.get("/v1/models").status_code == 200  # the API is still there
+
+
+# ----- images ----------------------------------------------------------------------------------
+
+QUESTION = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def vl_server(tiny_vl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from server_fixtures import build_draft
+
+    draft = build_draft(tmp_path_factory.mktemp("vl-draft") / "d", tiny_vl_path, block_size=4)
+    with run_server(make_app(tiny_vl_path, draft, served_model_name="tiny-vl")) as srv:
+        yield srv
+
+
+def png(seed: int, size: tuple[int, int]) -> bytes:
+    import io
+
+    from test_images import picture
+
+    buffer = io.BytesIO()
+    picture(seed, size).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# A paste into the message box and a drop on the conversation, as the browser delivers them.
+DELIVER = """async ([kind, b64, name]) => {
+    const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+    const transfer = new DataTransfer();
+    transfer.items.add(new File([bytes], name, { type: "image/png" }));
+    const init = { bubbles: true, cancelable: true };
+    const event = kind === "paste"
+        ? new ClipboardEvent("paste", { ...init, clipboardData: transfer })
+        : new DragEvent("drop", { ...init, dataTransfer: transfer });
+    document.getElementById(kind === "paste" ? "prompt" : "messages").dispatchEvent(event);
+}"""
+
+
+def test_images_pasted_and_dropped_show_as_thumbnails(
+    browser: Any, vl_server: RunningServer, shots: Path
+) -> None:
+    """Paste one image and drop another; a third chosen with the button is removed again.
+    The message shows both as thumbnails (kept across a reload), and the answer is the API's
+    answer for the same images and question."""
+    import base64
+
+    page = Page(browser, vl_server.base_url)
+    p = page.page
+    page.configure(key="")
+    p.wait_for_function("() => !document.getElementById('attach').disabled")
+    images = [png(1, (96, 64)), png(2, (64, 128))]
+    p.evaluate(DELIVER, ["paste", base64.b64encode(images[0]).decode(), "a.png"])
+    p.evaluate(DELIVER, ["drop", base64.b64encode(images[1]).decode(), "b.png"])
+    p.wait_for_function("() => document.querySelectorAll('#attachments .thumb').length === 2")
+    p.set_input_files("#image-input", files=[
+        {"name": "c.png", "mimeType": "image/png", "buffer": png(3, (64, 64))}
+    ])  # fmt: skip
+    p.wait_for_function("() => document.querySelectorAll('#attachments .thumb').length === 3")
+    p.click("#attachments button[aria-label='Remove image 3']")
+    assert p.locator("#attachments .thumb").count() == 2
+    answer = page.send(QUESTION)
+    page.wait_done()
+    question = p.locator("article.msg.user").last
+    assert question.locator("img.thumb").count() == 2
+    assert question.locator("img.thumb").first.get_attribute("alt") == "Image 1 you sent"
+    assert p.locator("#attachments .thumb").count() == 0 and page.errors == []
+    urls = [f"data:image/png;base64,{base64.b64encode(b).decode()}" for b in images]
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    body = {
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}],
+        "temperature": 0,
+        "max_tokens": 24,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    api = httpx.post(f"{vl_server.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    saved = json.loads(p.evaluate("() => localStorage.getItem('dflash.conversation')"))
+    assert saved[-1]["content"] == api["choices"][0]["message"]["content"]
+    assert answer.locator(".content").inner_text().strip()
+    shot = shots / "chat-images.png"
+    p.screenshot(path=str(shot), full_page=True)
+    p.reload()
+    assert p.locator("article.msg.user img.thumb").count() == 2
+    print(f"\nscreenshot: {shot}")
+    page.close()
+
+
+def test_text_only_model_takes_no_images(browser: Any, server: RunningServer) -> None:
+    page = Page(browser, server.base_url)
+    p = page.page
+    assert p.is_disabled("#attach")
+    assert "no images" in (p.get_attribute("#attach", "title") or "")
+    p.evaluate(DELIVER, ["paste", base64_png(), "a.png"])
+    p.wait_for_function("() => document.getElementById('attach-note').textContent.length > 0")
+    assert "takes no images" in p.inner_text("#attach-note")
+    assert p.locator("#attachments .thumb").count() == 0 and page.errors == []
+    page.close()
+
+
+def base64_png() -> str:
+    import base64
+
+    return base64.b64encode(png(1, (32, 32))).decode()

@@ -9,6 +9,7 @@ from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.stream import GenerationResponse, stream_generate
 from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
 from dflash_server.models.loading import load, load_draft
+from dflash_server.models.vision import load_vision
 
 __all__ = [
     "DFlashConfig",
@@ -18,6 +19,7 @@ __all__ = [
     "SpeculativeStats",
     "load",
     "load_draft",
+    "load_vision",
     "stream_generate",
 ]
 __version__ = "0.1.0"

@@ -178,6 +178,23 @@ class Settings(BaseSettings, _SamplingDefaults):
         256, ge=0, description="responses kept for previous_response_id (0: none)"
     )
 
+    # Images
+    vision: bool = Field(
+        True,
+        description="load the target's vision tower, so prompts may hold images (--no-vision: "
+        "text only, less memory)",
+    )
+    max_images: int = Field(8, ge=0, description="images one request may hold")
+    max_image_pixels: int = Field(
+        1024 * 1024,
+        gt=0,
+        description="pixels an image is resized to at most before the vision tower (more: more "
+        "image tokens; capped by the model's processor)",
+    )
+    allow_remote_images: bool = Field(
+        False, description="fetch http(s) image URLs (off: images must be sent as data URLs)"
+    )
+
     # Engine
     max_queue: int = Field(
         512, ge=0, description="requests that may wait for an active slot (429 beyond)"

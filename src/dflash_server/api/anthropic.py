@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dflash_server.api.errors import APIError
+from dflash_server.api.images import PART_KEY
 from dflash_server.api.prepare import chat_request
 from dflash_server.api.tool_checks import check_function, check_parameters
 from dflash_server.api.types import ChatCompletionRequest, _Request, extensions
@@ -22,7 +23,8 @@ from dflash_server.generation.sampling import MAX_INT
 
 
 class Block(BaseModel):
-    """A content block: ``text``, ``tool_use``, ``tool_result``, ``thinking`` (others: 400)."""
+    """A content block: ``text``, ``image``, ``tool_use``, ``tool_result``, ``thinking``
+    (others: 400)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -34,6 +36,7 @@ class Block(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     is_error: bool | None = None
     thinking: str | None = None  # thinking (its signature is ignored)
+    source: dict[str, Any] | None = None  # image: base64 data or a URL
 
 
 class Message(BaseModel):
@@ -136,8 +139,8 @@ def _thinking(block: Block) -> str:
 def _unsupported(kind: str, where: str) -> APIError:
     return APIError(
         400,
-        f"{where}: content block type {kind!r} is not supported (text, tool_use, tool_result "
-        "and thinking are)",
+        f"{where}: content block type {kind!r} is not supported (text, image, tool_use, "
+        "tool_result and thinking are)",
         param=where,
         code="unsupported_content",
     )
@@ -156,18 +159,53 @@ def _text(blocks: str | list[Any] | None, where: str) -> str:
     return "\n\n".join(texts)
 
 
+def _image_part(block: Block, where: str) -> dict[str, Any]:
+    """An image block as the chat image part it means (base64 data becomes a data URL)."""
+    source = block.source or {}
+    if source.get("type") == "base64":
+        media = source.get("media_type") or "image/png"
+        url = f"data:{media};base64,{source.get('data') or ''}"
+    elif source.get("type") == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise APIError(
+            400,
+            f"{where}.source: an image source is base64 (media_type, data) or url; file "
+            "sources are not supported",
+            param=f"{where}.source",
+            code="invalid_value",
+        )
+    return {"type": "image_url", "image_url": {"url": url}, PART_KEY: where}
+
+
+def _user_content(pieces: list[Any]) -> str | list[dict[str, Any]]:
+    """A user message's content: its texts joined by newlines; with images, text and image
+    parts in order (adjacent texts joined the same way)."""
+    if all(isinstance(p, str) for p in pieces):
+        return "\n".join(pieces)
+    parts: list[dict[str, Any]] = []
+    for piece in pieces:
+        if isinstance(piece, str) and parts and parts[-1]["type"] == "text":
+            parts[-1]["text"] += "\n" + piece
+        else:
+            parts.append({"type": "text", "text": piece} if isinstance(piece, str) else piece)
+    return parts
+
+
 def _user_messages(msg: Message, where: str) -> list[dict[str, Any]]:
-    """A user turn: its tool results as tool messages, its text as a user message."""
+    """A user turn: its tool results as tool messages, its text and images as a user message."""
     if isinstance(msg.content, str):
         return [{"role": "user", "content": msg.content}]
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    texts: list[Any] = []  # text strings and image parts, in order
     for j, block in enumerate(msg.content):
         if block.type == "text":
             texts.append(block.text or "")
+        elif block.type == "image":
+            texts.append(_image_part(block, f"{where}.content.{j}"))
         elif block.type == "tool_result":
             if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
+                out.append({"role": "user", "content": _user_content(texts)})
                 texts = []
             result = _text(block.content, f"{where}.content.{j}.content")
             if block.is_error:
@@ -176,7 +214,7 @@ def _user_messages(msg: Message, where: str) -> list[dict[str, Any]]:
         else:
             raise _unsupported(block.type, f"{where}.content.{j}")
     if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append({"role": "user", "content": _user_content(texts)})
     return out
 
 

@@ -52,10 +52,19 @@ def build_loader(
             suffix_tokens=settings.suffix_tokens,
             suffix_cache_bytes=settings.suffix_cache_bytes,
             calibration_cache=settings.calibration_folder,
+            vision=settings.vision,
             group=group,
         )
         for line in describe(models.summary).splitlines():
             log.info("%s", line)
+        if models.summary.vision:
+            remote = "http(s) URLs too" if settings.allow_remote_images else "data URLs only"
+            log.info(
+                "images: at most %d per request, resized to at most %d pixels, %s",
+                settings.max_images,
+                settings.max_image_pixels,
+                remote,
+            )
         if settings.context_length and settings.context_length > models.summary.context_length:
             log.warning(
                 "--context-length %d is above the model's limit: capped to %d",

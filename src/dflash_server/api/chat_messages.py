@@ -6,26 +6,54 @@ import json
 from typing import Any
 
 from dflash_server.api.errors import APIError
+from dflash_server.api.images import VIDEO_PARTS, ImageRef, image_ref, video_unsupported
 from dflash_server.api.types import ChatCompletionRequest, ChatMessage
 
 
-def template_message(msg: ChatMessage, index: int) -> dict[str, Any]:
-    """A template-ready message: text (and refusal) parts joined, 'developer' read as 'system'."""
-    content = msg.content
+def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """Template-ready messages, and the images their parts hold, in prompt order."""
+    images: list[ImageRef] = []
+    return [template_message(m, i, images) for i, m in enumerate(messages)], images
+
+
+def template_message(msg: ChatMessage, index: int, images: list[ImageRef]) -> dict[str, Any]:
+    """A template-ready message: text (and refusal) parts joined, 'developer' read as 'system';
+    with images, a list of text and image parts (as Qwen3.5's template renders them), each
+    image's reference appended to ``images``."""
+    content: Any = msg.content
     if isinstance(content, list):
-        texts = []
-        for part in content:
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
+            where = f"messages.{index}.content.{j}"
+            if part.type == "image_url":
+                if msg.role != "user":
+                    raise APIError(
+                        400,
+                        f"{where}: images are only supported in user messages",
+                        param=f"messages.{index}.content",
+                        code="unsupported_content",
+                    )
+                images.append(image_ref(part.model_dump(), where))
+                parts.append({"type": "image"})
+                continue
+            if part.type in VIDEO_PARTS:
+                raise video_unsupported(where)
             # An earlier assistant refusal is what the assistant said: it renders as text.
             text = part.refusal if part.type == "refusal" else part.text
             if part.type not in ("text", "refusal") or text is None:
                 raise APIError(
                     400,
-                    f"content part type {part.type!r} is not supported; only text parts are",
+                    f"content part type {part.type!r} is not supported; text and image_url "
+                    "parts are",
                     param=f"messages.{index}.content",
                     code="unsupported_content",
                 )
-            texts.append(text)
-        content = "".join(texts)
+            if parts and parts[-1]["type"] == "text":
+                parts[-1]["text"] += text
+            else:
+                parts.append({"type": "text", "text": text})
+        with_images = any(p["type"] == "image" for p in parts)
+        content = parts if with_images else "".join(p["text"] for p in parts)
     out: dict[str, Any] = {
         "role": "system" if msg.role == "developer" else msg.role,
         "content": content if content is not None else "",

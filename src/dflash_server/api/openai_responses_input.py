@@ -1,9 +1,10 @@
 """Responses API ``input`` items as the chat messages they mean.
 
-Messages (any role: developer and system ones render as system text), ``function_call`` items
-(joined to the assistant turn they belong to; namespaced ones under the name the prompt gives
-them), ``function_call_output`` items as tool results, and ``reasoning`` items as the
-reasoning of the assistant turn after them. Every malformed field is a 400 naming it.
+Messages (any role: developer and system ones render as system text; ``input_image`` parts
+become chat image parts), ``function_call`` items (joined to the assistant turn they belong
+to; namespaced ones under the name the prompt gives them), ``function_call_output`` items as
+tool results, and ``reasoning`` items as the reasoning of the assistant turn after them. Every
+malformed field is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,22 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_server.api.errors import APIError
+from dflash_server.api.images import PART_KEY
 from dflash_server.api.openai_responses_tools import ResponseTools
+
+
+def _part_text(part: Any, where: str) -> str:
+    """The text of an input_text/output_text/refusal part."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    text = part.get("refusal" if kind == "refusal" else "text") if kind else None
+    if kind not in ("input_text", "output_text", "text", "refusal") or not isinstance(text, str):
+        raise APIError(
+            400,
+            f"content part type {kind!r} is not supported; text and input_image parts are",
+            param=where,
+            code="unsupported_content",
+        )
+    return text
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -20,21 +36,44 @@ def _content_text(content: Any, where: str) -> str:
         return content or ""
     if not isinstance(content, list):
         raise APIError(400, "content must be a string or a list of parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("refusal" if kind == "refusal" else "text") if kind else None
-        if kind not in ("input_text", "output_text", "text", "refusal") or not isinstance(
-            text, str
-        ):
-            raise APIError(
-                400,
-                f"content part type {kind!r} is not supported; only text parts are",
-                param=f"{where}.{j}",
-                code="unsupported_content",
-            )
-        texts.append(text)
-    return "".join(texts)
+    return "".join(_part_text(part, f"{where}.{j}") for j, part in enumerate(content))
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "input_image"
+
+
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An input_image part as the chat image part it means."""
+    if part.get("file_id") is not None:
+        raise APIError(
+            400,
+            f"{where}.file_id: files are not supported; send image_url (a data URL or an "
+            "http(s) URL)",
+            param=f"{where}.file_id",
+            code="unsupported_content",
+        )
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise APIError(
+            400,
+            f"{where}.image_url must be a data URL or an http(s) URL",
+            param=f"{where}.image_url",
+        )
+    image = {"url": url, "detail": part.get("detail")}
+    return {"type": "image_url", "image_url": image, PART_KEY: where}
+
+
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or with images, text and image parts."""
+    if not isinstance(content, list) or not any(_is_image(p) for p in content):
+        return _content_text(content, where)
+    return [
+        _image_part(p, f"{where}.{j}")
+        if _is_image(p)
+        else {"type": "text", "text": _part_text(p, f"{where}.{j}")}
+        for j, p in enumerate(content)
+    ]
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
@@ -93,7 +132,7 @@ def input_messages(
                 )
             message = {
                 "role": item["role"],
-                "content": _content_text(item.get("content"), f"{where}.content"),
+                "content": _message_content(item.get("content"), f"{where}.content"),
             }
             if message["role"] == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, None

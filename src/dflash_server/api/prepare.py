@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from dflash_server.api.chat_messages import (
     merged_system,
-    template_message,
+    template_messages,
     thinking_budget,
     thinking_enabled,
 )
@@ -27,6 +27,7 @@ from dflash_server.api.constraints import (
     with_thinking_budget,
 )
 from dflash_server.api.errors import APIError, ContextLengthError, validation_error
+from dflash_server.api.images import load_images
 from dflash_server.api.types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +40,7 @@ from dflash_server.engine.worker import Engine
 from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.request import PLAIN, BlockPolicy, GenerationRequest, block_policy
 from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
+from dflash_server.models.vision import ImageInput
 from dflash_server.settings import Settings
 
 
@@ -159,15 +161,22 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None  # rendered into the prompt and parsed from the answer
     forced: list[str] | None  # function names a grammar must force (tool_choice)
     thinking: bool  # the chat template's thinking switch, as the request set it
+    images: tuple[ImageInput, ...] = ()  # in prompt order, each at its run of image tokens
 
 
 async def render_messages(
     req: ChatCompletionRequest, settings: Settings, engine: Engine
 ) -> ChatPrompt:
-    """Check a chat request and render its prompt with the model's chat template."""
+    """Check a chat request and render its prompt with the model's chat template; its images
+    are decoded and checked here, and each takes its image tokens in the prompt."""
     _check_request(req, settings, engine)
     assert engine.models is not None
-    messages = [template_message(m, i) for i, m in enumerate(req.messages)]
+    messages, refs = template_messages(req.messages)
+    vision = engine.models.pair.vision
+    images = await load_images(refs, settings, vision, engine.models.summary.vision_note)
+    pads = None
+    if vision is not None and images:
+        pads = (vision.tokens.image, [vision.count(image) for image in images])
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "enable_thinking"}
     tools, forced = tool_policy(req)
     thinking = thinking_enabled(req, settings.enable_thinking)
@@ -177,6 +186,7 @@ async def render_messages(
         enable_thinking=thinking,
         template_kwargs=kwargs,
         tools=tools,
+        image_pads=pads,
     )
     try:
         # Templates and tokenizers are CPU work: keep them off the event loop.
@@ -191,7 +201,7 @@ async def render_messages(
             prompt = await run_in_threadpool(render, merged)
         except PromptError as again:
             raise APIError(400, str(again), param="messages", code="invalid_messages") from exc
-    return ChatPrompt(prompt, tools, forced, thinking)
+    return ChatPrompt(prompt, tools, forced, thinking, tuple(images))
 
 
 async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: Engine) -> Prepared:
@@ -212,7 +222,9 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
     think_end = chat.prompt.reasoning.think_end
     constraint = None if grammar is None else Grammar(grammar, think_end)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    request = _request(req, settings, engine, chat.prompt, max_tokens, constraint=constraint)
+    request = _request(
+        req, settings, engine, chat.prompt, max_tokens, constraint=constraint, images=chat.images
+    )
     budget = thinking_budget(req, settings.max_thinking_tokens)
     request = with_thinking_budget(request, budget, engine.models.summary.vocab_size)
     return Prepared(

@@ -168,7 +168,7 @@ async def get_model(
 def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[str, Any]:
     models = engine.models
     context = models.summary.context_length if models is not None else None
-    return {
+    card: dict[str, Any] = {
         "id": settings.model_id,
         "object": "model",
         "created": request.app.state.started,
@@ -177,6 +177,11 @@ def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[st
         "max_model_len": context,
         "max_input_tokens": context,
     }
+    if models is not None:  # known once loaded
+        images = models.summary.vision
+        card["capabilities"] = ["completion", "chat", "tools", *(["vision"] if images else [])]
+        card["modalities"] = {"input": ["text", *(["image"] if images else [])], "output": ["text"]}
+    return card
 
 
 def request_defaults(settings: Settings) -> dict[str, Any]:
@@ -203,6 +208,9 @@ async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
         "block_size": summary.get("block_size"),
         "draft_family": summary.get("draft_family"),
         "context_length": summary.get("context_length"),
+        "vision": summary.get("vision", False),
+        "max_images": settings.max_images,
+        "max_image_pixels": settings.max_image_pixels,
         "queue_depth": engine.queue_depth,
         "batching": engine.batching,
         "active_rows": engine.active_rows,

@@ -216,6 +216,10 @@ class ModelCard(BaseModel):
     context_length: int | None = None
     max_model_len: int | None = None
     max_input_tokens: int | None = None
+    # What the model takes, as Ollama (capabilities) and OpenRouter (modalities) say it: "vision"
+    # and "image" when prompts may hold images.
+    capabilities: list[str] | None = None
+    modalities: dict[str, list[str]] | None = None
 
 
 class ModelList(BaseModel):

@@ -17,6 +17,7 @@ WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 ASSETS = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
+    "images.js": "text/javascript; charset=utf-8",
     "markdown.js": "text/javascript; charset=utf-8",
     "views.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_server.chat.reasoning import prompt_reasoning
 from dflash_server.generation.request import Reasoning
 from dflash_server.generation.text import encode
+from dflash_server.models.vision import expand_pads
 
 
 class PromptError(ValueError):
@@ -35,11 +37,13 @@ def render_chat(
     enable_thinking: bool,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    image_pads: tuple[int, Sequence[int]] | None = None,
 ) -> Prompt:
     """Apply the chat template with the generation prompt; detect an open think block.
 
     ``tools`` (OpenAI function tools) are rendered by the template itself, as the model was
-    trained to see them.
+    trained to see them. ``image_pads`` (the image token id, each image's token count): the
+    one image token the template writes per image becomes that image's run of them.
     """
     kwargs = dict(template_kwargs or {})
     kwargs["enable_thinking"] = enable_thinking
@@ -54,6 +58,11 @@ def render_chat(
     except Exception as exc:  # jinja raises TemplateError / TypeError for malformed input
         raise PromptError(f"chat template rejected the messages: {exc}") from exc
     tokens = encode(tokenizer, text)
+    if image_pads is not None:
+        try:
+            tokens = expand_pads(tokens, *image_pads)
+        except ValueError as exc:
+            raise PromptError(f"the chat template did not place the images: {exc}") from exc
     return Prompt(
         text, tokens, prompt_reasoning(tokenizer, text), chat_checkpoints(tokenizer, tokens)
     )

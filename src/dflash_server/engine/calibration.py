@@ -145,7 +145,8 @@ class CalibrationCache:
         """Store a measured ``value`` for the next start (nothing when off)."""
         if self.folder is not None:
             key, path = self._key(kind, params)
-            self._write(path, {"key": key, "value": asdict(value)})
+            data = {k: v for k, v in asdict(value).items() if v is not None}  # links are not data
+            self._write(path, {"key": key, "value": data})
 
     def _key(self, kind: str, params: dict[str, Any]) -> tuple[dict[str, Any], Path]:
         assert self.folder is not None

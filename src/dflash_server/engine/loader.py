@@ -18,6 +18,7 @@ from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.models.hooks import HookError
 from dflash_server.models.loading import flat_arrays, has_mtp, load, load_draft, load_mtp
+from dflash_server.models.vision import VisionTower, load_vision
 from dflash_server.models.window import DEFAULT_WINDOW, SINKS, default_window
 
 log = logging.getLogger("dflash_server")
@@ -109,6 +110,8 @@ class ModelSummary:
     cycle_costs: str | None = None  # the measured cost curve, described
     suffix_drafts: bool = False  # copies from the context may be verified
     mtp_available: bool = False  # no drafter, but the target checkpoint carries an MTP head
+    vision: bool = False  # prompts may hold images (the checkpoint's vision tower is loaded)
+    vision_note: str = "text only"  # what the startup log says about images
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -169,6 +172,7 @@ def load_models(
     suffix_tokens: int = 0,
     suffix_cache_bytes: int | None = None,
     calibration_cache: str | Path | None = None,
+    vision: bool = True,
     group: Any = None,
 ) -> LoadedModels:
     """Load target (+ drafter, bound to it). Runs on the engine's worker thread: it is MLX work.
@@ -181,8 +185,9 @@ def load_models(
     ``suffix_tokens``: suffix copies of up to so many tokens will run (their verify widths are
     measured too, with no drafter as well); ``suffix_cache_bytes``: their shared index's budget;
     ``calibration_cache``: the folder where measured costs are kept for the next load (None:
-    measure every time). ``group``: the MLX distributed group to tensor-shard the target over
-    (the drafter is replicated); every rank calls this together.
+    measure every time); ``vision``: load the checkpoint's vision tower, if it has one.
+    ``group``: the MLX distributed group to tensor-shard the target over (the drafter and the
+    vision tower are replicated); every rank calls this together.
     """
     target_label, draft_label = target_label or target, draft_label or draft
     target_path = resolve_model(target, "target", TARGET_PATTERNS)
@@ -194,6 +199,15 @@ def load_models(
             f"cannot load target {target_label!r}{how}: {_first_line(exc)}"
         ) from exc
     target_cfg = _read_config(target_path)
+    tower = None
+    if vision:
+        try:
+            tower = load_vision(target_path)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"cannot load the vision tower of {target_label!r}: {_first_line(exc)} "
+                "(--no-vision serves text only)"
+            ) from exc
     drafter: Any = None
     draft_cfg: dict[str, Any] = {}
     draft_path = None
@@ -209,7 +223,7 @@ def load_models(
         except Exception as exc:
             raise ModelLoadError(f"cannot use drafter {draft_label!r}: {_first_line(exc)}") from exc
     try:  # install the target's hooks now: their self-check fails here, not mid-request
-        pair = ModelPair.build(model, tokenizer, drafter)
+        pair = ModelPair.build(model, tokenizer, drafter, vision=tower)
     except HookError as exc:
         raise ModelLoadError(f"cannot use target {target_label!r}: {exc}") from exc
     model_ctx = _model_context(target_cfg) or DEFAULT_CONTEXT
@@ -223,6 +237,8 @@ def load_models(
         fingerprint=_fingerprint(target_path, draft_path, group),
         suffix_drafts=bool(suffix_tokens),
         mtp_available=drafter is None and has_mtp(target_path),
+        vision=tower is not None,
+        vision_note=_vision_note(tower, target_cfg, vision),
     )
     if drafter is not None:
         if draft_window is None:
@@ -271,6 +287,14 @@ def _fingerprint(target: Path, draft: Path | None, group: Any = None) -> str:
     return h.hexdigest()[:32]
 
 
+def _vision_note(tower: VisionTower | None, config: dict[str, Any], asked: bool) -> str:
+    if tower is not None:
+        return f"takes images (vision tower: {_size(_weights_gb(tower.tower))} weights)"
+    if config.get("vision_config") and not asked:
+        return "text only (--no-vision)"
+    return "text only (the checkpoint has no vision tower)"
+
+
 def _size(gb: float) -> str:
     return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
 
@@ -302,6 +326,7 @@ def describe(summary: ModelSummary) -> str:
             lines.append("this checkpoint carries an MTP head: --draft mtp drafts with it")
         if s.cycle_costs:  # suffix copies still run: verify-only cycles
             lines.append(s.cycle_costs)
+    lines.append(f"vision: {s.vision_note}")
     lines.append(f"MLX active memory after load: {_size(s.active_memory_gb)}")
     return "\n".join(lines)
 

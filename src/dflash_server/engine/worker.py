@@ -389,7 +389,9 @@ def make_batch(models: LoadedModels, max_verify: int | None) -> BatchDecoder:
     pair = models.pair
     costs = None
     if pair.draft is not None and pair.measured is not None:
-        measure = partial(measure_pass_costs, pair.target, pair.draft, fixed=pair.lockstep)
+        measure = partial(
+            measure_pass_costs, pair.target, pair.draft, growth=pair.measured, fixed=pair.lockstep
+        )
         costs = models.calibration.fetch("batch", PassCosts, measure)
         log.info("%s", costs.describe())
     return BatchDecoder(pair.target, max_verify, costs)

@@ -16,9 +16,11 @@ only the target cache is shared, as rows of a ``BatchCache``. A pass:
 ``step`` runs one round of the batch and returns what each row committed, as mlx-lm's
 ``BatchGenerator.next`` does; its owner (the engine) calls it and routes the commits. Before
 the pass, prompts make progress: prompts of one chunk or less that the prefix cache does not hold
-are prefilled together in one forward (``batch_prefill.py``); a longer prompt, or a prefix hit,
-prefills alone one chunk per step, so the running rows keep decoding. A prefilled row joins the
-next pass; it leaves when it finishes or is removed (cancelled). Outputs are those of the request
+are prefilled together in one forward (``batch_prefill.py``); a longer prompt, a prefix hit or
+a prompt with images prefills alone one chunk per step, so the running rows keep decoding. A
+prefilled row joins the next pass; it leaves when it finishes or is removed (cancelled). Each
+row rotates at its own positions (a prompt with images shifts its later ones: its ``shift``,
+applied to its row only). Outputs are those of the request
 run alone: greedy token for token (on fp32, where kernels do not change with row count;
 docs/design.md, "Batching under speculation"), sampled rows with the same law.
 """
@@ -26,12 +28,14 @@ docs/design.md, "Batching under speculation"), sampled rows with the same law.
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from collections.abc import Generator
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.batch_budget import PassCosts, choose_widths
+from dflash_server.generation.batch_budget import PassCosts, choose_widths, extra_context
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
 from dflash_server.generation.batch_draft import propose_rows
 from dflash_server.generation.batch_prefill import prefill_together
@@ -40,8 +44,11 @@ from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice
 from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
 from dflash_server.generation.target import TargetModel
+from dflash_server.models.mrope import Positions
 
 Outcome = Commit | Exception  # what a step hands a row: its commit, or the error that ended it
+_PROBE_GAP, _MAX_PROBE_GAP = 4, 64  # narrowed passes before the budget lets one through
+_OFF = math.log(1.5)  # a pass this much cheaper than estimated says the costs are off
 
 
 class BatchDecoder:
@@ -68,6 +75,7 @@ class BatchDecoder:
         self._joining: list[Row] = []  # prefilled this step: they join after its pass
         self.passes = 0
         self.last_pass: tuple[int, int] = (0, 0)  # (rows, verified positions) of the last pass
+        self._capped, self._probe_gap = 0, _PROBE_GAP  # passes the budget narrowed; next probe
         self.histogram: dict[int, int] = {}  # rows in a pass -> passes
         self.prefilled_together = 0  # prompts prefilled in a shared forward
 
@@ -96,8 +104,9 @@ class BatchDecoder:
             self.alone.add(row, prompt, max_tokens, eos_ids)
             return
         row.begin(prompt, max_tokens, eos_ids)
-        if len(row.prompt) <= row.prefill_step_size and row.prefix_hit() is None:
-            self.waiting.append(row)  # one chunk, cold: prefilled with the other short ones
+        short = len(row.prompt) <= row.prefill_step_size and row.images is None
+        if short and row.prefix_hit() is None:
+            self.waiting.append(row)  # one chunk, cold, text: prefilled with other short ones
         else:
             self.prefilling[row] = row.prefill_steps()
 
@@ -221,7 +230,11 @@ class BatchDecoder:
         choices = [row.choose() for row in rows]
         widths = [c.size for c in choices]
         if self.costs is not None and len(rows) > 1:  # the verify budget (batch_budget.py)
-            widths = choose_widths(rows, choices, self.costs)
+            budget = choose_widths(rows, choices, self.costs)
+            if budget == widths:  # nothing narrowed: probing starts over
+                self._capped, self._probe_gap = 0, _PROBE_GAP
+            elif not self._probe():
+                widths = budget
         if self.max_verify is not None:
             free = [not row.pinned for row in rows]
             while len(rows) * max(widths) > self.max_verify:
@@ -231,10 +244,21 @@ class BatchDecoder:
                 widths = [w - 1 if w == top and f else w for w, f in zip(widths, free)]
         return [c.narrow(w) for c, w in zip(choices, widths)]
 
+    def _probe(self) -> bool:
+        """Whether to let the rows' own widths through a pass the budget would narrow, to
+        measure it (its costs may come from a busy moment): after a gap of narrowed passes
+        that doubles, up to ``_MAX_PROBE_GAP``, while the budget keeps narrowing."""
+        self._capped += 1
+        if self._capped < self._probe_gap:
+            return False
+        self._capped, self._probe_gap = 0, min(2 * self._probe_gap, _MAX_PROBE_GAP)
+        return True
+
     def _verify(self, rows: list[Row], plan: dict[Row, Choice] | None) -> dict[Row, Commit]:
         """One pass: draft, verify every row in one forward, score and commit each row, then
-        roll each row back to its own kept prefix."""
+        roll each row back to its own kept prefix; the pass's wall time refines the budget."""
         assert self.cache is not None
+        start = time.perf_counter()
         choices = self._choices(rows) if plan is None else [plan[row] for row in rows]
         width = max(c.size for c in choices)
         with mx.stream(generation_stream):
@@ -247,8 +271,12 @@ class BatchDecoder:
                 inputs.append(mx.concatenate([tokens, mx.zeros((padding,), mx.int32)]))
             self.cache.layout.reserve(width)
             recording = self.target.hooks.recording() if width > 1 else contextlib.nullcontext()
+            shifts = [row.shift for row in rows]  # each row's own (images), on its own row
+            positions = Positions(shift=mx.array(shifts)) if any(shifts) else None
             with recording as record:
-                logits, taps = self.target.forward(mx.stack(inputs), self.cache.layers, slice(None))
+                logits, taps = self.target.forward(
+                    mx.stack(inputs), self.cache.layers, slice(None), positions=positions
+                )
             cycles = [
                 row.score(c, logits[i, : c.size],
                           None if taps is None else taps[i : i + 1, : c.size],
@@ -267,6 +295,11 @@ class BatchDecoder:
             lay = self.cache.layout
             if lay.idx > 2 * lay.step and lay.hole_share() > 0.5:
                 self.cache.compact()
+        if self.costs is not None:
+            seconds = time.perf_counter() - start
+            error = self.costs.observe(len(rows), width, seconds, extra_context(rows, self.costs))
+            if self._capped == 0 and error < -_OFF:  # a probe far cheaper: probe again soon
+                self._probe_gap = _PROBE_GAP
         self.passes += 1
         self.last_pass = (len(rows), len(rows) * width)
         self.histogram[len(rows)] = self.histogram.get(len(rows), 0) + 1

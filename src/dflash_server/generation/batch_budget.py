@@ -6,14 +6,18 @@ pays for the widest row (all are padded to it) and a pass of many rows turns com
 expected committed tokens per second (at high concurrency that may be 1: plain batched
 decoding). ``PassCosts`` is measured at load (``measure_pass_costs``): plain passes of 1..16
 rows, speculative passes (one batched drafter pass plus a recorded verify) of 1..8 rows x 16,
-so the engine can also say how many rows are worth running at once (``rows_supported``).
+so the engine can also say how many rows are worth running at once (``rows_supported``). Each
+row's context adds attention work (the pair's per-token growth, ``CostModel.slope``), and every
+pass the engine runs refines the curves (``observe``: a log residual per point, as the cycle
+costs do), so a calibration taken at a busy moment is corrected by real traffic.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -25,6 +29,9 @@ from dflash_server.generation.policy import Choice
 if TYPE_CHECKING:
     from dflash_server.generation.row import Row
 
+_PASS_ALPHA = 0.5  # weight of one observed pass (half shared by its kind, half its point's)
+_PASS_CLIP = math.log(3.0)  # one pass moves a residual by at most this (log) factor
+
 
 @dataclass
 class PassCosts:
@@ -34,11 +41,48 @@ class PassCosts:
     plain: dict[int, float]
     speculative: dict[int, float]
     measured_s: float = 0.0
+    context: int = 64  # the rows' context when measured
+    slope: dict[int, float] = field(default_factory=dict)  # width -> s per row-context token
+    plain_residual: dict[int, float] = field(default_factory=dict)  # rows -> log correction
+    spec_residual: dict[int, float] = field(default_factory=dict)  # positions -> log correction
+    plain_drift: float = 0.0  # log correction every plain point shares
+    spec_drift: float = 0.0  # the same for speculative points
 
-    def cost(self, rows: int, width: int) -> float:
+    def base(self, rows: int, width: int, extra_context: int = 0) -> float:
+        """The measured curve at this pass, plus attention over the rows' ``extra_context``
+        (their context tokens past the measured one, summed)."""
+        grow = CostModel._interp(self.slope, width) * extra_context if self.slope else 0.0
+        points, x = (self.plain, rows) if width <= 1 else (self.speculative, rows * width)
+        return max(CostModel._interp(points, x) + grow, 1e-6)
+
+    def cost(self, rows: int, width: int, extra_context: int = 0) -> float:
+        """The estimate: the measured curve refined by the passes seen since."""
+        return self.base(rows, width, extra_context) * math.exp(self._correction(rows, width))
+
+    def observe(self, rows: int, width: int, seconds: float, extra_context: int = 0) -> float:
+        """Fold a real pass's wall time into the curve (log space, clipped: one slow pass
+        cannot flip the budget): half into the drift every point of its kind shares (a busy
+        measure inflated them all), half into its own point. Return log(seconds / estimate)."""
+        if not seconds > 0:
+            return 0.0
+        residuals, x = self._residuals(rows, width)
+        error = math.log(seconds / self.base(rows, width, extra_context))
+        error -= self._correction(rows, width)
+        step = _PASS_ALPHA / 2 * max(-_PASS_CLIP, min(_PASS_CLIP, error))
+        residuals[x] = (CostModel._interp(residuals, x) if residuals else 0.0) + step
         if width <= 1:
-            return max(CostModel._interp(self.plain, rows), 1e-6)
-        return max(CostModel._interp(self.speculative, rows * width), 1e-6)
+            self.plain_drift += step
+        else:
+            self.spec_drift += step
+        return error
+
+    def _correction(self, rows: int, width: int) -> float:
+        residuals, x = self._residuals(rows, width)
+        drift = self.plain_drift if width <= 1 else self.spec_drift
+        return drift + (CostModel._interp(residuals, x) if residuals else 0.0)
+
+    def _residuals(self, rows: int, width: int) -> tuple[dict[int, float], int]:
+        return (self.plain_residual, rows) if width <= 1 else (self.spec_residual, rows * width)
 
     def rows_supported(self, gain: float = 1.15, most: int = 16) -> int:
         """Rows worth running at once: doubling them still raises plain batched throughput by
@@ -72,13 +116,20 @@ def choose_widths(rows: list[Row], choices: list[Choice], costs: PassCosts) -> l
     def widths(cap: int) -> list[int]:
         return [min(w, cap) if a else w for w, a in zip(wanted, adaptive)]
 
+    extra = extra_context(rows, costs)
+
     def value(cap: int) -> float:
         ws = widths(cap)
         tokens = sum(r.policy.expected(c, w) for r, c, w in zip(rows, choices, ws))
-        return tokens / costs.cost(len(ws), max(ws))
+        return tokens / costs.cost(len(ws), max(ws), extra)
 
     caps = sorted({1, *wanted})
     return widths(max(caps, key=value))
+
+
+def extra_context(rows: list[Row], costs: PassCosts) -> int:
+    """The rows' context tokens past the one the pass costs were measured at, summed."""
+    return sum(max(0, row.position - costs.context) for row in rows)
 
 
 def measure_pass_costs(
@@ -88,12 +139,14 @@ def measure_pass_costs(
     context: int = 64,
     width: int = 16,
     budget_s: float = 8.0,
+    growth: CostModel | None = None,
     fixed: bool = False,
 ) -> PassCosts:
     """Time plain passes of 1, 2, 4, 8, 16 rows and speculative ones of 1, 2, 4, 8 rows x
     ``width`` (batched drafter pass + recorded verify) on ``context``-token rows; medians of
     up to 3 runs after a warm-up, fewer once ``budget_s`` is spent (``fixed``: always 3, as
-    ``measure_costs``). Runs MLX work: call it on the thread that owns the models."""
+    ``measure_costs``). ``growth``: the pair's cycle costs, whose per-token growth each row's
+    context adds to a pass. Runs MLX work: call it on the thread that owns the models."""
     from dflash_server.generation.batch_draft import propose_rows
     from dflash_server.generation.protocols import DraftRow
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
@@ -144,7 +197,12 @@ def measure_pass_costs(
 
     plain = {r: timed(r, 1) for r in (1, 2, 4, 8, 16)}
     speculative = {4: timed(1, 4), **{r * width: timed(r, width) for r in (1, 2, 4, 8)}}
-    return PassCosts(plain, _rising(speculative), time.perf_counter() - start)
+    slope = {}
+    if growth is not None:  # a drafted pass also grows with each row's drafter context
+        slope = {w: s + (growth.draft_slope if w > 1 else 0.0) for w, s in growth.slope.items()}
+    return PassCosts(
+        plain, _rising(speculative), time.perf_counter() - start, context=context, slope=slope
+    )
 
 
 def _rising(points: dict[int, float]) -> dict[int, float]:

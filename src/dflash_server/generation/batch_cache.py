@@ -5,13 +5,15 @@ a pass (a verify block, right-padded to the widest row), and afterwards each row
 own committed prefix of them. Rejected columns are marked invalid and never attended again (a
 mask, not zeroed keys: a zero key would still add e^0 to the softmax; docs/design.md,
 "Batching under speculation"); the next pass writes from the end of the longest kept prefix, so
-a row only leaves holes where another row kept more. Holes are squeezed out when they outgrow the tokens held (``compact``). Each row has
-its own RoPE position (``offset``), the number of tokens it holds.
+a row only leaves holes where another row kept more. Holes are squeezed out when they outgrow
+the tokens held (``compact``). Each row has its own RoPE position (``offset``), the number of
+tokens it holds.
 
 Gated DeltaNet layers keep mlx-lm's ``ArraysCache`` with one state row per request; after a
 recorded verify each row's state is the one after its own kept prefix (``rollback_rows``).
-Rows join after their prefill (their caches are moved in) and leave when they finish; both copy
-the buffers once, a pass copies nothing.
+Rows join after their prefill (their caches are moved in) and leave when they finish. A pass
+writes its columns in place; the buffers are copied only when they grow (``step`` columns at a
+time), when a row joins or leaves, and when holes are squeezed out.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ def measure_costs(
     draft: Drafter | None,
     *,
     context: int = 64,
+    long_context: int = 1024,
     plain_steps: int = 8,
     budget_s: float = 3.0,
     calibrate: bool = True,
@@ -49,8 +50,9 @@ def measure_costs(
     prompt. Each is repeated 3 to 9 times (more when cheap; fewer once ``budget_s`` is spent)
     and the median kept; the curves are made non-decreasing in width (noise, not physics, makes
     a wider verify look cheaper). The other widths run once, untimed, so their compiled graphs
-    exist before a request needs them. ``calibrate``: then decode a few real steps and cycles
-    and start the corrections from what they took (``_calibrate``).
+    exist before a request needs them. The same pieces on a ``long_context``-token prompt give
+    each width's growth per context token (0: not measured). ``calibrate``: then decode a few
+    real steps and cycles and start the corrections from what they took (``_calibrate``).
 
     ``widest``: verify widths up to this one are measured too (suffix copies verify without a
     drafter pass and may be wider than its block), and calibrated as verify-only cycles;
@@ -65,61 +67,114 @@ def measure_costs(
     widest = max(block, widest)
     taps_ids = tuple(draft.config.target_layer_ids) if draft is not None else ()
     target = TargetModel(model, taps_ids)
-    ids = mx.arange(1, context + widest + 1)[None] % 97 + 1
-    with mx.stream(generation_stream):
-        cache = target.make_cache()
-        _, taps = target.forward(ids[:, :context], cache, slice(-1, None))
-        draft_cache = draft.make_cache() if draft is not None else []
+    widths = [w for w in _widths(widest) if w > 1]
+    deadline = None if fixed else start + budget_s
+    short = _Pieces(target, draft, context, widest, plain_steps, deadline)
+    drafting = {} if draft is None else {s: short.timed(short.drafting(s)) for s in {2, block}}
+    costs = CostModel(
+        plain=short.timed(short.plain),
+        verify=_rising({w: short.timed(short.verify(w)) for w in widths}),
+        draft=_rising(drafting),
+        context=context,
+    )
+    costs.verify[1] = min(costs.plain, min(costs.verify.values(), default=costs.plain))
+    for width in range(2, block):  # compile every width's graphs now, not in a request
+        if width not in costs.verify:
+            short.verify(width)()
+            short.drafting(width)()
+    if long_context > context:
+        deadline = None if fixed else time.perf_counter() + budget_s
+        long = _Pieces(target, draft, long_context, widest, plain_steps, deadline)
+        span = long_context - context
+        grown = {1: long.timed(long.plain), **{w: long.timed(long.verify(w)) for w in widths}}
+        shorter = {1: costs.plain, **costs.verify}
+        costs.slope = _rising({w: max(0.0, t - shorter[w]) / span for w, t in grown.items()})
         if draft is not None:
-            assert taps is not None, "a target tapped for the drafter"
-            draft.append_context(taps, draft_cache, ids[0, :context])
-        mx.eval([c.state for c in cache], [c.state for c in draft_cache])
-    rollback = target.make_rollback(cache)
+            costs.draft_slope = (
+                max(0.0, long.timed(long.drafting(block)) - costs.draft[block]) / span
+            )
+    if calibrate:
+        prompt = cast("list[int]", short.ids[0, :context].tolist())
+        _calibrate(costs, target, draft, prompt, _widths(block))
+        copies = [w for w in _widths(widest) if w > 1]
+        _calibrate_copies(costs, TargetModel(model, taps_ids), draft, prompt, copies)
+    costs.measured_s = time.perf_counter() - start
+    return costs
 
-    def timed(run: Any) -> float:
+
+class _Pieces:
+    """The pieces of a cycle, timed on a prefilled ``context``-token prompt (on this pair);
+    ``deadline`` None: each timing repeated exactly 3 times (``measure_costs``'s ``fixed``)."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: Drafter | None,
+        context: int,
+        widest: int,
+        plain_steps: int,
+        deadline: float | None,
+    ) -> None:
+        self.target, self.draft, self.context = target, draft, context
+        self.plain_steps, self.deadline = plain_steps, deadline
+        self.ids = mx.arange(1, context + widest + 1)[None] % 97 + 1
+        with mx.stream(generation_stream):
+            self.cache = target.make_cache()
+            _, taps = target.forward(self.ids[:, :context], self.cache, slice(-1, None))
+            self.draft_cache = draft.make_cache() if draft is not None else []
+            if draft is not None:
+                assert taps is not None, "a target tapped for the drafter"
+                draft.append_context(taps, self.draft_cache, self.ids[0, :context])
+            mx.eval([c.state for c in self.cache], [c.state for c in self.draft_cache])
+        self.rollback = target.make_rollback(self.cache)
+
+    def timed(self, run: Any) -> float:
         """Median of ``run()``'s own timings (it times only what a cycle would pay)."""
         run()  # warm-up: kernels, allocations, compiled graphs
         runs: list[float] = []
+        fixed = self.deadline is None
         while len(runs) < 3 or (not fixed and len(runs) < 9 and sum(runs) < 0.1):
             runs.append(run())
-            if not fixed and time.perf_counter() - start > budget_s:
+            if self.deadline is not None and time.perf_counter() > self.deadline:
                 break
         return statistics.median(runs)
 
-    def plain() -> float:
+    def plain(self) -> float:
+        cache, ids, context = self.cache, self.ids, self.context
         saved = [list(c.cache) if not c.is_trimmable() else None for c in cache]
         with mx.stream(generation_stream):
             t0 = time.perf_counter()
             token = ids[:, context : context + 1]
-            for _ in range(plain_steps):  # the next step is queued before this one is read
-                logits, _ = target.forward(token, cache, slice(None))
+            for _ in range(self.plain_steps):  # the next step is queued before this one is read
+                logits, _ = self.target.forward(token, cache, slice(None))
                 token = mx.argmax(logits[:, -1:], axis=-1)
                 mx.async_eval(token)
             mx.eval(token)
-            seconds = (time.perf_counter() - t0) / plain_steps
+            seconds = (time.perf_counter() - t0) / self.plain_steps
         for c, slots in zip(cache, saved):  # back to the prompt
             if slots is None:
-                c.trim(plain_steps)
+                c.trim(self.plain_steps)
             else:
                 c.cache = slots
         return seconds
 
-    def verify(width: int) -> Any:
+    def verify(self, width: int) -> Any:
         def run() -> float:
             with mx.stream(generation_stream):
                 t0 = time.perf_counter()
-                with rollback.recording():
-                    tokens = ids[:, context : context + width]
-                    logits, t = target.forward(tokens, cache, slice(None))
+                with self.rollback.recording():
+                    tokens = self.ids[:, self.context : self.context + width]
+                    logits, t = self.target.forward(tokens, self.cache, slice(None))
                 mx.eval(mx.argmax(logits, axis=-1), t)
                 seconds = time.perf_counter() - t0
-                rollback.rollback(keep=0, fed=width)  # back to the prompt, untimed
-                mx.eval([c.state for c in cache])
+                self.rollback.rollback(keep=0, fed=width)  # back to the prompt, untimed
+                mx.eval([c.state for c in self.cache])
             return seconds
 
         return run
 
-    def drafting(size: int) -> Any:
+    def drafting(self, size: int) -> Any:
+        draft = self.draft
         assert draft is not None
         block_ids = mx.array([[1] + [draft.config.mask_token_id] * (size - 1)])
         greedy = TokenSampler(SamplingParams())
@@ -127,28 +182,10 @@ def measure_costs(
         def run() -> float:  # the drafter contract, so any family's selector is timed too
             with mx.stream(generation_stream):
                 t0 = time.perf_counter()
-                mx.eval(draft.propose(block_ids, None, draft_cache, greedy, None)[0])
+                mx.eval(draft.propose(block_ids, None, self.draft_cache, greedy, None)[0])
                 return time.perf_counter() - t0
 
         return run
-
-    costs = CostModel(
-        plain=timed(plain),
-        verify=_rising({w: timed(verify(w)) for w in _widths(widest) if w > 1}),
-        draft={} if draft is None else _rising({s: timed(drafting(s)) for s in sorted({2, block})}),
-    )
-    costs.verify[1] = min(costs.plain, min(costs.verify.values(), default=costs.plain))
-    for width in range(2, block):  # compile every width's graphs now, not in a request
-        if width not in costs.verify:
-            verify(width)()
-            drafting(width)()
-    if calibrate:
-        prompt = cast("list[int]", ids[0, :context].tolist())
-        _calibrate(costs, target, draft, prompt, _widths(block))
-        copies = [w for w in _widths(widest) if w > 1]
-        _calibrate_copies(costs, TargetModel(model, taps_ids), draft, prompt, copies)
-    costs.measured_s = time.perf_counter() - start
-    return costs
 
 
 def _calibrate(
@@ -197,7 +234,7 @@ class _Copies(BlockController):
         self.costs.refine = False
         self.width = width
 
-    def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
+    def choose(self, room: int, proposal: Proposal | None = None, context: int = 0) -> Choice:
         if room <= self.width:
             return Choice.width(1)
         return Choice(SUFFIX, self.width, tuple(range(1, self.width)))

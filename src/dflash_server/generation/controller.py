@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from dflash_server.generation.suffix import Proposal
 
 
+_OFF = 1.5  # a cycle this many times cheaper than estimated says the costs are off
+
+
 class SuffixTrust:
     """How far to believe suffix confidences: the drafts recent suffix cycles got accepted over
     the number their confidences predicted (decayed sums plus ``prior`` drafts on each side, so
@@ -182,6 +185,7 @@ class BlockController:
         self.trust = SuffixTrust()
         self.min_trust = min_trust
         self._rivals: dict[int, float] = {}  # room -> the drafter's best value (``_rival``)
+        self.context = 0  # tokens the next cycle attends to (its costs grow with them)
 
     def _first_gap(self) -> int:
         """Plain steps before a first probe: at least ``min_gap``, and enough that a failed
@@ -192,7 +196,7 @@ class BlockController:
         return min(self.max_gap, max(self.min_gap, math.ceil(extra / self.probe_budget)))
 
     def _value(self, rates: list[float], size: int) -> float:
-        return AcceptanceModel.expected(rates, size) / self.costs.cycle(size)
+        return AcceptanceModel.expected(rates, size) / self.costs.cycle(size, context=self.context)
 
     def _best(self, limit: int, minimum: int = 1) -> int:
         """The width of most expected tokens per second. Switching between plain decoding and
@@ -214,7 +218,7 @@ class BlockController:
         for n, a in enumerate(rates, 1):
             survive *= a
             total += survive
-            v = total / self.costs.cycle(n + 1, drafted=False)
+            v = total / self.costs.cycle(n + 1, drafted=False, context=self.context)
             if v > value:
                 best, value = n, v
         return best, value
@@ -245,9 +249,12 @@ class BlockController:
         n, value = self._suffix_best(proposal, room - 1)
         return n if n and value > (1 + self.margin) * self._rival(room) else 0
 
-    def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
+    def choose(self, room: int, proposal: Proposal | None = None, context: int = 0) -> Choice:
         """The next cycle: the suffix proposal's tokens when ``copies`` says so, else
-        ``next_size``'s width."""
+        ``next_size``'s width; costs taken at ``context`` tokens."""
+        if context != self.context:
+            self.context = context
+            self._rivals.clear()
         n = self.copies(room, proposal)
         if n:
             assert proposal is not None
@@ -292,8 +299,12 @@ class BlockController:
         """A cycle of ``size`` positions committed ``accepted`` drafts (+1) in ``seconds``
         (a suffix copy: with the ``confidence`` its tokens were chosen with)."""
         self._rivals.clear()
+        # Far cheaper than the costs said (they were taken at a busy moment): probe again soon.
+        cheaper = False
         if seconds is not None:
-            self.costs.observe(size, seconds, drafted=source != SUFFIX)
+            drafted = source != SUFFIX
+            cheaper = seconds * _OFF < self.costs.cycle(size, drafted, self.context)
+            self.costs.observe(size, seconds, drafted=drafted, context=self.context)
         if source == SUFFIX:
             self.trust.observe(confidence, accepted)
             return
@@ -309,8 +320,10 @@ class BlockController:
             paid = self._best(self.max_block) > 1
             if not paid and accepted == size - 1 and size < self.max_block:
                 self.widen_probe = min(2 * size, self.max_block)  # a small block cannot tell
+            elif paid or cheaper:
+                self.gap = self._first_gap() if paid else self.min_gap
             else:
-                self.gap = self._first_gap() if paid else min(2 * self.gap, self.max_gap)
+                self.gap = min(2 * self.gap, self.max_gap)
 
     def expected(self, choice: Choice, width: int) -> float:
         """Expected committed tokens of ``choice`` at ``width``: the acceptance estimate (a
@@ -326,10 +339,12 @@ class BlockController:
         return {
             "block_size": best,
             "expected_tau": round(AcceptanceModel.expected(rates, best), 3),
-            "expected_speedup": round(self._value(rates, best) * self.costs.cycle(1), 3),
+            "expected_speedup": round(
+                self._value(rates, best) * self.costs.cycle(1, context=self.context), 3
+            ),
             "acceptance": [round(a, 3) for a in rates],
-            "plain_ms": round(1e3 * self.costs.cycle(1), 3),
-            "cycle_ms": round(1e3 * self.costs.cycle(best), 3),
+            "plain_ms": round(1e3 * self.costs.cycle(1, context=self.context), 3),
+            "cycle_ms": round(1e3 * self.costs.cycle(best, context=self.context), 3),
             "probes": self.probes,
             "suffix_trust": round(self.trust.factor, 3),
         }

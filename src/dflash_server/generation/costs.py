@@ -1,14 +1,19 @@
-"""What a cycle costs on this machine and model pair: measured once at load, refined per request.
+"""What a cycle costs on this machine and model pair: measured at load, refined as requests run.
 
 ``t(1)`` is one plain decoding step; ``t(B)`` for ``B >= 2`` is one drafter pass plus one verify of
 ``B`` positions (with the recording it needs); a verify-only cycle (suffix drafts: no drafter
-pass) costs the verify alone, and may be wider than the drafter's block. ``generation/calibrate.py`` measures the curve at a
-few widths; widths in between are interpolated linearly (and wider ones extrapolated from the widest two),
-which is how verify cost grows in the memory-bound regime (docs/design.md, "Adaptive speculation").
+pass) costs the verify alone, and may be wider than the drafter's block. ``generation/calibrate.py``
+measures the curve at a few widths on a short context; widths in between are interpolated
+linearly (and wider ones extrapolated from the widest two), which is how verify cost grows in the
+memory-bound regime (docs/design.md, "Adaptive speculation"). A second, longer context gives each
+width's growth per context token (attention reads every cached position), so at 32k tokens the
+curve is not the one measured at 64.
 
 Each request refines its own copy from the wall time of its real cycles: a residual per width
 (calibrated at load) plus a small shared correction, in log space and clipped, so a slow consumer
-or a long context shifts the estimates and one outlier cannot flip the choice.
+shifts the estimates and one outlier cannot flip the choice. Every observation also nudges the
+pair's model (``shared``), which the next request copies: a calibration taken at a busy moment
+does not decide for the server's whole life.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 _ALPHA = 0.25  # weight of one observed cycle in the running correction
+_SHARED = 0.2  # the pair's model moves this much of a request's step (many requests refine it)
 _CLIP = math.log(3.0)  # one observation moves the correction by at most this (log) factor
 
 
@@ -35,6 +41,10 @@ class CostModel:
     residual: dict[int, float] = field(default_factory=dict)
     verify_residual: dict[int, float] = field(default_factory=dict)  # verify-only cycles
     log_scale: float = 0.0
+    context: int = 64  # the context (tokens) the curves above were measured at
+    slope: dict[int, float] = field(default_factory=dict)  # width -> s per token past ``context``
+    draft_slope: float = 0.0  # the drafter pass's growth per context token
+    shared: CostModel | None = field(default=None, repr=False)  # the pair's, refined too
 
     @staticmethod
     def _interp(points: dict[int, float], x: int) -> float:
@@ -51,13 +61,19 @@ class CostModel:
         slope = (points[hi] - points[lo]) / (hi - lo)
         return points[lo] + slope * (x - lo)
 
-    def base(self, size: int, drafted: bool = True) -> float:
+    def base(self, size: int, drafted: bool = True, context: int = 0) -> float:
         """The component estimate of one cycle of ``size`` positions (draft + verify; without
-        ``drafted``, a verify-only cycle)."""
+        ``drafted``, a verify-only cycle) at ``context`` tokens (0: as measured)."""
+        grow = 0.0
+        if self.slope and context > self.context:  # attention over the longer context
+            grow = self._interp(self.slope, max(1, size)) * (context - self.context)
         if size <= 1:
-            return self.plain
-        draft = self._interp(self.draft, size) if drafted else 0.0
-        return max(draft + self._interp(self.verify, size), 1e-6)
+            return self.plain + grow
+        draft = 0.0
+        if drafted:
+            draft = self._interp(self.draft, size)
+            draft += self.draft_slope * max(0, context - self.context)
+        return max(draft + self._interp(self.verify, size) + grow, 1e-6)
 
     def _residual(self, size: int, drafted: bool = True) -> float:
         size = max(1, size)
@@ -74,28 +90,35 @@ class CostModel:
             return same_kind.get(size, 0.0)
         return self._interp(same_kind, size)
 
-    def cycle(self, size: int, drafted: bool = True) -> float:
+    def cycle(self, size: int, drafted: bool = True, context: int = 0) -> float:
         """The current estimate: the component estimate times calibration and refinement."""
         residual = self._residual(size, drafted)
-        return self.base(size, drafted) * math.exp(self.log_scale + residual)
+        return self.base(size, drafted, context) * math.exp(self.log_scale + residual)
 
-    def observe(self, size: int, seconds: float, drafted: bool = True) -> None:
+    def observe(
+        self, size: int, seconds: float, drafted: bool = True, context: int = 0, weight: float = 1.0
+    ) -> None:
         """Fold one real cycle's wall time into its width's residual (and a little into the
-        shared drift, so widths not used lately follow a slower machine or a longer context)."""
+        shared drift, so widths not used lately follow a slower machine); the pair's model
+        (``shared``) takes a fraction of the step."""
         if not self.refine or not seconds > 0:
             return
         size = max(1, size)
         residual = self._residual(size, drafted)
-        error = math.log(seconds / self.base(size, drafted)) - self.log_scale - residual
+        error = math.log(seconds / self.base(size, drafted, context)) - self.log_scale - residual
         error = max(-_CLIP, min(_CLIP, error))
         residuals = self.residual if drafted or size == 1 else self.verify_residual
-        residuals[size] = residual + _ALPHA * error
-        self.log_scale += _ALPHA / 4 * error
+        residuals[size] = residual + weight * _ALPHA * error
+        self.log_scale += weight * _ALPHA / 4 * error
+        if self.shared is not None:
+            self.shared.observe(size, seconds, drafted, context, weight * _SHARED)
 
     def copy(self) -> CostModel:
+        """A request's own copy; its observations refine the pair's model too."""
         return replace(self, verify=dict(self.verify), draft=dict(self.draft),
-                       residual=dict(self.residual),
-                       verify_residual=dict(self.verify_residual))  # fmt: skip
+                       residual=dict(self.residual), slope=dict(self.slope),
+                       verify_residual=dict(self.verify_residual),
+                       shared=self.shared or self)  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         """Milliseconds, for logs and stats."""
@@ -106,6 +129,7 @@ class CostModel:
             "cycle_ms": {
                 b: round(1e3 * self.cycle(b, bool(self.draft)), 3) for b in sorted(self.verify)
             },
+            "us_per_context_token": {b: round(1e6 * s, 4) for b, s in sorted(self.slope.items())},
         }
 
     def describe(self) -> str:
@@ -115,8 +139,9 @@ class CostModel:
         loop = ", ".join(
             f"{b}: {1e3 * self.cycle(b, bool(self.draft)):.1f}" for b in sorted(self.verify)
         )
+        growth = ", ".join(f"{b}: {1e6 * s:.2f}" for b, s in sorted(self.slope.items()))
         return (
             f"cycle cost (ms): plain step {1e3 * self.plain:.1f}; verify by width {{{verify}}}; "
-            f"draft {{{draft}}}; in the loop by width {{{loop}}} "
-            f"(measured in {self.measured_s:.1f} s)"
+            f"draft {{{draft}}}; in the loop by width {{{loop}}}; growth per context token "
+            f"(us) {{{growth}}} (measured in {self.measured_s:.1f} s)"
         )

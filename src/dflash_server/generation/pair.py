@@ -22,6 +22,7 @@ from dflash_server.generation.costs import CostModel
 from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.generation.target import TargetModel
+from dflash_server.models.vision import VisionTower
 
 SUFFIX_INDEX_BYTES = 64 * 1024**2  # the shared suffix index's default budget
 
@@ -56,16 +57,17 @@ class WiredLimit:
 
 @dataclass
 class ModelPair:
-    """A target, its tokenizer and its drafter (bound to it; None: plain decoding only), with
-    the per-pair state: the tapped target, the cycle costs "auto" decides by, the acceptance
-    prior new requests start from, the suffix index of recent outputs, and the wired-memory
-    holder."""
+    """A target, its tokenizer, its drafter (bound to it; None: plain decoding only) and its
+    vision tower (None: text only), with the per-pair state: the tapped target, the cycle
+    costs "auto" decides by, the acceptance prior new requests start from, the suffix index of
+    recent outputs, and the wired-memory holder."""
 
     model: nn.Module
     tokenizer: TokenizerWrapper
     draft: Drafter | None
     target: TargetModel
     wired: WiredLimit
+    vision: VisionTower | None = None  # the checkpoint's vision tower (None: text only)
     prior: SharedPrior = field(default_factory=SharedPrior)
     measured: CostModel | None = None  # set by ``costs()``, or at load by the engine
     # Ranks of a sharded target measure together: fixed repetition counts (``measure_costs``).
@@ -81,18 +83,29 @@ class ModelPair:
         tokenizer: TokenizerWrapper,
         draft: Drafter | None,
         wired: WiredLimit | None = None,
+        vision: VisionTower | None = None,
     ) -> ModelPair:
-        """Bind the drafter and install the target's hooks (their self-check raises here)."""
+        """Bind the drafter and install the target's hooks (their self-check raises here);
+        with a vision tower, the hooks that let image prompts give their own positions."""
         if draft is not None:
             draft.bind(model)
         taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         target = TargetModel(model, taps)
-        return cls(model, tokenizer, draft, target, wired or WiredLimit(model))
+        if vision is not None:
+            target.place_positions()
+        return cls(model, tokenizer, draft, target, wired or WiredLimit(model), vision)
 
     @classmethod
-    def of(cls, model: nn.Module, tokenizer: TokenizerWrapper, draft: Drafter | None) -> ModelPair:
+    def of(
+        cls,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
+        draft: Drafter | None,
+        vision: VisionTower | None = None,
+    ) -> ModelPair:
         """The Python API's pair for (model, draft): built on first use, kept on the model
-        (one wired-memory holder per model, whichever drafter runs with it)."""
+        (one wired-memory holder per model, whichever drafter runs with it); ``vision``, when
+        given, becomes its vision tower."""
         pairs: dict[int, ModelPair] = model.__dict__.setdefault("_dflash_pairs", {})
         pair = pairs.get(id(draft))
         if pair is None or pair.draft is not draft:
@@ -102,6 +115,9 @@ class ModelPair:
             if draft is not None:
                 draft.bind(model)  # cheap; the caller may have rebound it elsewhere
             pair.tokenizer = tokenizer
+        if vision is not None and pair.vision is not vision:
+            pair.target.place_positions()
+            pair.vision = vision
         return pair
 
     def costs(self, widest: int = 0) -> CostModel:

@@ -61,9 +61,9 @@ class WidthPolicy(Protocol):
     def adaptive(self) -> bool:  # it decides from acceptance and cost ("auto")
         ...
 
-    def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
+    def choose(self, room: int, proposal: Proposal | None = None, context: int = 0) -> Choice:
         """The next cycle, at most ``room`` positions (tokens still wanted); ``proposal``: the
-        suffix copy on offer, if any."""
+        suffix copy on offer, if any; ``context``: the tokens the cycle attends to."""
         ...
 
     def might_copy(self) -> bool:
@@ -100,7 +100,7 @@ class FixedBlock:
         self.block_size = block_size
         self._cycles = self._tokens = 0  # its observed tau: what the batch expects of it
 
-    def choose(self, room: int, proposal: Proposal | None = None) -> Choice:
+    def choose(self, room: int, proposal: Proposal | None = None, context: int = 0) -> Choice:
         return Choice.width(max(1, min(self.block_size, room)))
 
     def might_copy(self) -> bool:

@@ -25,6 +25,7 @@ __all__ = [
     "PrefixStore",
     "RowDrafter",
     "TokenConstraint",
+    "WindowedDrafter",
 ]
 
 if TYPE_CHECKING:
@@ -94,6 +95,20 @@ class RowDrafter(Protocol):
 
     def propose_rows(self, rows: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array | None]]:
         """``propose`` for each row (``rows[i].drafter`` is this drafter), in order."""
+        ...
+
+
+@runtime_checkable
+class WindowedDrafter(Protocol):
+    """Optional for a ``Drafter`` that reads only part of its context: the first ``sinks`` and
+    the newest ``newest`` positions. A long prompt's other positions need no context at all."""
+
+    def context_window(self) -> tuple[int, int] | None:
+        """(newest, sinks) positions it reads; None when some layer reads every position."""
+        ...
+
+    def skip_context(self, n: int, cache: list[Any]) -> None:
+        """Advance the context past ``n`` positions it will never read."""
         ...
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dflash_server.generation.protocols import ConstraintSpec, Drafter, TokenConstraint
 from dflash_server.generation.sampling import SamplingParams, fresh_entropy
+from dflash_server.models.vision import ImageInput
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -77,6 +78,8 @@ class GenerationRequest:
     sampler: Callable[[mx.array], mx.array] | None = None
     # Leave control tokens out of the text (the server's default; see text.hidden_tokens).
     skip_special_tokens: bool = False
+    # The prompt's images, in order; each fills its run of image tokens in ``prompt``.
+    images: tuple[ImageInput, ...] = ()
     # Seeds the draws of a request without ``seed``, drawn once, here: every rank that runs the
     # request draws alike (engine/lockstep.py). Unlike a seed it pins no widths.
     entropy: int = field(default_factory=fresh_entropy, compare=False, repr=False)

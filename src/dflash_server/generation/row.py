@@ -29,6 +29,8 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_server.generation.cycle import FLUSH, PREFILL_CHUNK, Commit, Cycle, terminate
+from dflash_server.generation.draft_context import feed_prompt, prompt_reads
+from dflash_server.generation.images import PromptImages
 from dflash_server.generation.policy import DRAFTER, PLAIN, SUFFIX, Choice, FixedBlock, WidthPolicy
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
 from dflash_server.generation.protocols import Drafter, DraftRow, PrefixStore, TokenConstraint
@@ -48,7 +50,8 @@ class Row:
     commit; ``constraint`` restricts the target's distribution at every position (grammars).
     ``suffix`` proposes copies from the context (it needs an adaptive policy, which may then run
     without a drafter). ``prefix`` is the prefix cache, ``checkpoints`` the prompt positions
-    where it keeps the recurrent state; ``profile`` times each phase (``stats.timings``).
+    where it keeps the recurrent state; ``profile`` times each phase (``stats.timings``);
+    ``images``: the prompt's images (their features, positions and prefix-cache key).
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Row:
         prefix: PrefixStore | None = None,
         checkpoints: tuple[int, ...] = (),
         suffix: SuffixProposer | None = None,
+        images: PromptImages | None = None,
     ):
         self.target, self.draft, self.sampler = target, draft, sampler
         self.suffix = suffix if policy.adaptive else None
@@ -84,6 +88,7 @@ class Row:
             estimator=self.policy.estimate,
         )
         self.prompt: list[int] = []
+        self.key: tuple[int, ...] = ()  # the prompt as the prefix cache keys it (set by begin)
         self.max_tokens, self.produced = 0, 0
         self.eos_ids: frozenset[int] = frozenset()
         self.last = mx.array([0], dtype=mx.int32)  # the next cycle's anchor: the last token
@@ -94,6 +99,9 @@ class Row:
         self._context: list[tuple[mx.array, mx.array]] = []
         self._last_read: float | None = None  # when the previous cycle was read back
         self._hit: object = _UNSEEN  # the prefix cache's answer for this request's prompt
+        self.images = images  # until the prompt is prefilled
+        # Every position after the prompt is the token count plus this (images: <= 0).
+        self.shift = images.shift if images is not None else 0
 
     def begin(
         self,
@@ -103,12 +111,18 @@ class Row:
     ) -> None:
         """Set the request: its prompt and where it ends (an EOS id, ``max_tokens`` tokens)."""
         self.prompt, self._history = list(prompt), list(prompt)
+        self.key = self.images.key if self.images is not None else tuple(self.prompt)
         self.max_tokens, self.eos_ids = max_tokens, frozenset(eos_ids)
 
     @property
     def room(self) -> int:
         """Tokens it may still produce."""
         return self.max_tokens - self.produced
+
+    @property
+    def position(self) -> int:
+        """Tokens so far (prompt and output): what the next cycle attends to."""
+        return len(self._history)
 
     @property
     def pinned(self) -> bool:
@@ -124,7 +138,7 @@ class Row:
         if self._hit is _UNSEEN:
             found = None
             if self.prefix is not None:
-                found = self.prefix.lookup(self._prefix_kind, self.prompt)
+                found = self.prefix.lookup(self._prefix_kind, self.key)
             self._hit = found
         return cast("tuple[PromptSnapshot, int] | None", self._hit)
 
@@ -148,14 +162,17 @@ class Row:
         start, checkpoints = self._restore()
         tokens = mx.array(prompt)[None]
         wanted = self.checkpoint_positions()
+        reads = prompt_reads(self.draft, len(prompt), wanted) if self.draft is not None else None
         for begin, end in self._chunks(start, len(prompt)):
             last = end == len(prompt)
             rows = slice(-1, None) if last else None
             with mx.stream(generation_stream):
-                logits, taps = self.target.forward(tokens[:, begin:end], self.cache, rows)
+                chunk = tokens[:, begin:end]
+                inputs = self.images.inputs(chunk, begin, end, self.target) if self.images else {}
+                logits, taps = self.target.forward(chunk, self.cache, rows, **inputs)
                 if self.draft is not None:
-                    fed = tokens[0, begin:end]
-                    self.draft.append_context(_tapped(taps), _ctx(self.draft_cache), fed)
+                    feed_prompt(self.draft, _ctx(self.draft_cache), _tapped(taps), tokens[0],
+                                (begin, end), reads)  # fmt: skip
                 if end in wanted:
                     checkpoints[end] = Checkpoint.take(self.cache, self.draft_cache)
                 if not last:  # bound peak memory: materialise this chunk before the next
@@ -167,6 +184,7 @@ class Row:
                 except GeneratorExit:
                     self._keep_prefilled(end, checkpoints)
                     raise
+        self.images = None  # the features are in the cache now
         return self.first_token(_rows(logits)[0], checkpoints)
 
     def first_token(self, logits: mx.array, checkpoints: dict[int, Checkpoint]) -> Cycle:
@@ -174,9 +192,7 @@ class Row:
         first token's (lazy) one-row cycle from the last position's logits ([1, V])."""
         with mx.stream(generation_stream):
             if self.prefix is not None:
-                snapshot = PromptSnapshot.take(
-                    self.prompt, self.cache, self.draft_cache, checkpoints
-                )
+                snapshot = PromptSnapshot.take(self.key, self.cache, self.draft_cache, checkpoints)
                 mx.async_eval(snapshot.arrays())
                 self.prefix.store(self._prefix_kind, snapshot)
             logits = self._process(logits, self.history(), None)
@@ -191,7 +207,7 @@ class Row:
             return  # no cache, or nothing prefilled beyond what it restored
         with mx.stream(generation_stream):
             kept = {**checkpoints, done: Checkpoint.take(self.cache, self.draft_cache)}
-            snapshot = PromptSnapshot.take(self.prompt[:done], self.cache, self.draft_cache, kept)
+            snapshot = PromptSnapshot.take(self.key[:done], self.cache, self.draft_cache, kept)
             mx.async_eval(snapshot.arrays())
         self.prefix.store(self._prefix_kind, snapshot)
 
@@ -234,7 +250,7 @@ class Row:
         positions (default: the tokens still wanted)."""
         room = self.room if room is None else room
         proposal = self.suffix.propose(room - 1) if self.suffix is not None else None
-        return self.policy.choose(room, proposal)
+        return self.policy.choose(room, proposal, self.position)
 
     def copying(self) -> bool:
         """Whether the next cycle may verify a copy (cheap: no proposal is built here)."""

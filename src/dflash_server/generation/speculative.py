@@ -26,6 +26,7 @@ from mlx_lm.generate import generation_stream
 from dflash_server.generation.cycle import Commit, Cycle
 from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice
 from dflash_server.generation.row import Row
+from dflash_server.models.mrope import Positions
 
 
 class SpeculativeDecoder:
@@ -76,7 +77,7 @@ class SpeculativeDecoder:
             # A lookahead decides before the step's token is known: not while a copy may be
             # verified (one starting at that token would be missed).
             if lookahead and cycle.size == 1 and row.room > 1 and not row.copying():
-                planned = row.policy.choose(row.room - 1)
+                planned = row.policy.choose(row.room - 1, context=row.position)
                 if planned.size == 1:
                     queued, planned = self._queue(planned, cycle.result[1:2]), None
             commit = self._read(cycle)
@@ -112,7 +113,9 @@ class SpeculativeDecoder:
                 self.rollback.recording() if drafts is not None else contextlib.nullcontext()
             )
             with recording:
-                logits, taps = row.target.forward(tokens[None], row.cache, slice(None))
+                logits, taps = row.target.forward(
+                    tokens[None], row.cache, slice(None), positions=Positions.shifted(row.shift)
+                )
             cycle = row.score(choice, logits[0], taps, tokens, log_q, history)
             self._timed("plain" if drafts is None else "verify", *cycle.arrays())
         mx.async_eval(*cycle.arrays())

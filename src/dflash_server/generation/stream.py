@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_server.generation.controller import BlockController
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit
+from dflash_server.generation.images import PromptImages
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.policy import SUFFIX, FixedBlock, WidthPolicy
 from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
@@ -34,6 +36,7 @@ from dflash_server.generation.stats import SpeculativeStats
 from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 from dflash_server.generation.text import TextStream, encode, hidden_tokens
+from dflash_server.models.vision import ImageInput, VisionTower, expand_pads, open_image
 
 
 @dataclass
@@ -92,6 +95,11 @@ class Generation:
             costs = pair.costs(block.suffix + 1 if suffix is not None else 0).copy()
             policy = BlockController(block.width if draft else 1, costs, prior=pair.prior)
         target = pair.target if draft is not None else TargetModel(pair.model, ())
+        images = None
+        if request.images:
+            if pair.vision is None:
+                raise ValueError("this model takes no images (its checkpoint has no vision tower)")
+            images = PromptImages(pair.vision, request.images, request.prompt)
         tokenizer = pair.tokenizer
         constraint = None if request.constraint is None else request.constraint.build(tokenizer)
         self.row = Row(
@@ -106,6 +114,7 @@ class Generation:
             prefix=prefix,
             checkpoints=request.checkpoints,
             suffix=suffix,
+            images=images,
         )
         self.request = request
         self.prompt = list(request.prompt)
@@ -205,6 +214,8 @@ def stream_generate(
     constraint: TokenConstraint | None = None,
     profile: bool = False,
     suffix: int = 0,
+    images: Sequence[Any] = (),
+    vision: VisionTower | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding (``draft=None``: plain decoding).
 
@@ -217,6 +228,9 @@ def stream_generate(
     number that many positions, ``"auto"`` lets the controller pick 1..trained per cycle.
     ``suffix=n`` (with ``"auto"`` or ``draft=None``) lets it also verify up to n tokens copied
     from the prompt, the output so far and the pair's recent outputs (suffix drafts).
+    ``images`` (PIL images, file paths or encoded bytes) need the checkpoint's ``vision``
+    (``load_vision``); the prompt holds one ``<|image_pad|>`` per image, as the chat template
+    renders an image part.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -225,9 +239,18 @@ def stream_generate(
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias,
     )  # fmt: skip
-    pair = ModelPair.of(model, tokenizer, draft)
+    pair = ModelPair.of(model, tokenizer, draft, vision)
+    ids = encode(tokenizer, prompt)
+    inputs: tuple[ImageInput, ...] = ()
+    if images:
+        if pair.vision is None:
+            raise ValueError(
+                "images need the checkpoint's vision tower: pass vision=load_vision(path)"
+            )
+        inputs = tuple(pair.vision.prepare(open_image(image)) for image in images)
+        ids = expand_pads(ids, pair.vision.tokens.image, [pair.vision.count(i) for i in inputs])
     request = GenerationRequest(
-        prompt=tuple(encode(tokenizer, prompt)),
+        prompt=tuple(ids),
         max_tokens=max_tokens,
         sampling=sampling,
         seed=seed,
@@ -236,6 +259,7 @@ def stream_generate(
         logprobs=logprobs,
         constraint=None if constraint is None else Prebuilt(constraint),
         sampler=sampler,
+        images=inputs,
     )
     with pair.wired.held():
         yield from generate(pair, request, prefill_step_size=prefill_step_size, profile=profile)

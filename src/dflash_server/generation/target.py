@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_server.models.hooks import Recording, TargetHooks, hook_error
+from dflash_server.models.mrope import Positions
 from dflash_server.models.recurrence import state_at
 
 
@@ -47,26 +48,55 @@ class TargetModel:
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
+    def place_positions(self) -> None:
+        """Let forwards give their own rotary positions (images), checked once: each attention
+        layer must rotate its queries and keys through its positioned RoPE."""
+        if self.hooks.mrope is None:
+            self.hooks.place_positions()
+            check_positions(self.hooks)
+
     def make_rollback(self, cache: list[Any]) -> CacheRollback:
         return CacheRollback(self.hooks, cache)
 
     @overload
     def forward(
-        self, tokens: mx.array, cache: list[Any] | None, logit_rows: slice
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None,
+        logit_rows: slice,
+        *,
+        embeddings: mx.array | None = None,
+        positions: Positions | None = None,
     ) -> tuple[mx.array, mx.array | None]: ...
     @overload
     def forward(
-        self, tokens: mx.array, cache: list[Any] | None, logit_rows: None = None
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None,
+        logit_rows: None = None,
+        *,
+        embeddings: mx.array | None = None,
+        positions: Positions | None = None,
     ) -> tuple[None, mx.array | None]: ...
     def forward(
-        self, tokens: mx.array, cache: list[Any] | None, logit_rows: slice | None = None
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None,
+        logit_rows: slice | None = None,
+        *,
+        embeddings: mx.array | None = None,
+        positions: Positions | None = None,
     ) -> tuple[mx.array | None, mx.array | None]:
         """Run ``tokens`` ([1, T]) through the target; return (logits of ``logit_rows``, taps).
 
         Taps are the tapped layers' outputs concatenated on the feature axis: [1, T, L*H]
-        (None without taps, i.e. plain decoding).
+        (None without taps, i.e. plain decoding). ``embeddings`` ([B, T, H]) replace the
+        tokens' own (image features at image tokens); ``positions`` replace the cache offset
+        as the rotary positions (docs/design.md, "Multimodal positions").
         """
-        hidden = self.parts.backbone(tokens, cache)
+        extra = {} if embeddings is None else {"input_embeddings": embeddings}
+        with self.hooks.positioned(positions):
+            hidden = self.parts.backbone(tokens, cache, **extra)
         taps = self.hooks.take_taps(self.tap_ids)
         logits = None if logit_rows is None else self.parts.lm_head(hidden[:, logit_rows])
         return logits, taps
@@ -154,6 +184,24 @@ def check_rollback(hooks: TargetHooks) -> None:
         )
         if not same:
             raise hook_error(f"layer {i}'s cache does not roll back exactly")
+
+
+def check_positions(hooks: TargetHooks) -> None:
+    """One positioned token: every attention layer must rotate its queries and keys through
+    its RoPE module (else images would silently sit at the wrong positions); a HookError names
+    the mlx-lm version when they do not."""
+    ropes = [
+        getattr(getattr(layer, "self_attn", None), "rope", None) for layer in hooks.parts.layers
+    ]
+    layers = sum(rope is not None for rope in ropes)
+    before = hooks.rotations
+    with hooks.positioned(Positions(shift=1)):
+        hooks.parts.backbone(mx.array([[1]]), make_prompt_cache(hooks.model))
+    if hooks.rotations - before != 2 * layers or not layers:
+        raise hook_error(
+            f"{hooks.rotations - before} rotations through the RoPE of {layers} attention "
+            "layers, where each layer rotates its queries and keys"
+        )
 
 
 def _contents(cache: Any) -> list[mx.array]:

@@ -25,6 +25,7 @@ from dflash_server.models.fused import Norm, rope_at
 from dflash_server.models.target_parts import find_target_parts
 from dflash_server.models.variants import (
     OPTIONAL_DEFAULTS,
+    check_pair,
     dflash_kwargs,
     target_logit_scale,
 )
@@ -300,6 +301,26 @@ class DFlashDraftModel(nn.Module):
                 c.skip(skipped)
             layer.self_attn.append_context(context, c)
 
+    def context_window(self) -> tuple[int, int] | None:
+        """(newest, sinks) positions its layers read: a sliding layer its trained window, a
+        full one the server's sink window (``models/window.py``); None if any reads them all."""
+        newest, sinks = 0, 0
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.window is not None:
+                newest = max(newest, attn.window - 1)
+            elif attn.context_window is not None:
+                window, layer_sinks = attn.context_window
+                newest, sinks = max(newest, window - layer_sinks), max(sinks, layer_sinks)
+            else:
+                return None
+        return newest, sinks
+
+    def skip_context(self, n: int, cache: list[ContextCache]) -> None:
+        """Advance every layer's context past ``n`` positions no query will read."""
+        for c in cache:
+            c.skip(n)
+
     def _bound_target(self) -> _BoundTarget:
         if self._bound is None:
             raise RuntimeError(f"{type(self).__name__}.bind(target) must be called before drafting")
@@ -375,27 +396,3 @@ class DFlashDraftModel(nn.Module):
     def block_logits_together(self, rows: Sequence[DraftRow]) -> list[mx.array]:
         """Each row's block logits ([1, width - 1, V]) from one pass (``drafts_together``)."""
         return block_logits_together(self, self._bound_target(), rows)
-
-
-def check_pair(config: DFlashConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:
-    """Raise a ValueError naming the mismatch when a drafter does not fit a target."""
-    problems = []
-    if config.hidden_size != hidden_size:
-        problems.append(f"hidden_size {config.hidden_size} != target's {hidden_size}")
-    if not 0 <= config.mask_token_id < vocab_size:
-        problems.append(
-            f"mask_token_id {config.mask_token_id} outside the target's {vocab_size} rows"
-        )
-    if config.vocab_size is not None and config.vocab_size != vocab_size:
-        problems.append(f"vocab_size {config.vocab_size} != target's {vocab_size}")
-    bad = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
-    if bad:
-        problems.append(f"target_layer_ids {bad} outside the target's {num_layers} layers")
-    if config.num_target_layers is not None and config.num_target_layers != num_layers:
-        problems.append(f"trained on a {config.num_target_layers}-layer target, got {num_layers}")
-    if problems:
-        raise ValueError(
-            "drafter does not fit this target: "
-            + "; ".join(problems)
-            + ". Pick the drafter trained for this target (e.g. a 9B drafter for a 9B target)."
-        )

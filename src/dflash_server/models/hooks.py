@@ -6,6 +6,10 @@
   "Hybrid rollback"): each GDN layer's conv input (the conv1d instance gets a recording
   subclass) and its recurrence (the module-level ``gated_delta_update`` that mlx-lm's layer
   calls is swapped only while a verify is being recorded, then restored).
+* positions, for images (docs/design.md, "Multimodal positions"): once ``place_positions``
+  ran, each attention layer's RoPE instance gets a subclass that, inside ``positioned``,
+  rotates at the positions the forward gives (3-D, or the cache offset plus a shift) instead
+  of at the cache offset mlx-lm passes; outside it, mlx-lm's own rotation.
 
 mlx-lm's code and parameter trees stay untouched. ``TargetHooks.of(model)`` installs the hooks;
 ``generation.target.check_rollback`` then runs a two-token forward that must record what rollback
@@ -25,12 +29,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from dflash_server.models.mrope import Positions, rotate
 from dflash_server.models.recurrence import BlockStates, state_at, with_states
 from dflash_server.models.target_parts import find_target_parts
 
 _TAPPED: dict[type, type] = {}
 FAST_RECURRENCE = True  # record in chunk form (``recurrence.py``) where it applies, else step
 _RECORDING_CONV: dict[type, type] = {}
+_POSITIONED: dict[type, type] = {}
 
 
 class HookError(RuntimeError):
@@ -116,6 +122,23 @@ def _recording_conv_class(cls: type) -> type:
     return _RECORDING_CONV[cls]
 
 
+def _positioned_class(cls: type) -> type:
+    if cls not in _POSITIONED:
+
+        def __call__(self: Any, x: mx.array, offset: Any = 0) -> mx.array:
+            hooks = self._dflash_hooks
+            positions = hooks.positions
+            if positions is None:
+                return cls.__call__(self, x, offset)
+            hooks.rotations += 1
+            if positions.grid is None:
+                return cls.__call__(self, x, offset + positions.shift)
+            return rotate(self, x, positions.grid, hooks.mrope)
+
+        _POSITIONED[cls] = type(f"Positioned{cls.__name__}", (cls,), {"__call__": __call__})
+    return _POSITIONED[cls]
+
+
 def _set_private(obj: Any, name: str, value: Any) -> None:
     # object.__setattr__: keep our bookkeeping out of the module's parameter tree.
     object.__setattr__(obj, name, value)
@@ -130,6 +153,9 @@ class TargetHooks:
         self.taps: dict[int, mx.array] = {}  # layer index -> its latest output
         self.active: Recording | None = None
         self.checked = False  # set once rollback was checked exactly on this model
+        self.positions: Positions | None = None  # the positions of the forward in flight
+        self.mrope: tuple[int, ...] | None = None  # set by ``place_positions``
+        self.rotations = 0  # positioned rotations so far (its self-check counts them)
         # GDN layers, and the mlx-lm modules whose gated_delta_update they call.
         self.gdn: list[nn.Module] = []
         self.originals: dict[ModuleType, Any] = {}
@@ -165,6 +191,39 @@ class TargetHooks:
             if type(layer) not in _TAPPED.values():
                 layer.__class__ = _tapped_class(type(layer))
             _set_private(layer, "_dflash_tap", (self, i))
+
+    def place_positions(self) -> None:
+        """Let forwards rotate at positions of their own (images need Qwen3.5's multimodal
+        positions): each attention layer's RoPE gets the positioned subclass (idempotent)."""
+        if self.mrope is not None:
+            return
+        section = self.parts.mrope_section
+        if section is None:
+            raise ValueError("this target has no multimodal rotary positions (mrope_section)")
+        for layer in self.parts.layers:
+            rope = getattr(getattr(layer, "self_attn", None), "rope", None)
+            if rope is None:
+                continue
+            if not isinstance(rope, nn.RoPE) or rope.traditional:
+                raise hook_error(f"an attention layer's rope is a {type(rope).__name__}, not RoPE")
+            if type(rope) not in _POSITIONED.values():
+                rope.__class__ = _positioned_class(type(rope))
+            _set_private(rope, "_dflash_hooks", self)
+        self.mrope = section
+
+    @contextlib.contextmanager
+    def positioned(self, positions: Positions | None) -> Iterator[None]:
+        """Rotate the forward run inside this block at ``positions`` (None: mlx-lm's)."""
+        if positions is None:
+            yield
+            return
+        if self.mrope is None:
+            raise RuntimeError("place_positions() must run before a forward gives positions")
+        self.positions = positions
+        try:
+            yield
+        finally:
+            self.positions = None
 
     def take_taps(self, layer_ids: tuple[int, ...]) -> mx.array | None:
         """The last forward's tapped outputs concatenated on features ([1, T, L*H]), then cleared."""

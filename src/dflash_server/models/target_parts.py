@@ -23,6 +23,8 @@ class TargetParts:
     layers: list[nn.Module]
     hidden_size: int
     vocab_size: int
+    # Frequencies per axis of multimodal rotary positions (Qwen3.5); None: text positions only.
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -55,6 +57,9 @@ def find_target_parts(model: nn.Module) -> TargetParts:
     rows = weight.shape[0]
     # Quantized embeddings pack the hidden dim; the norm's weight always has the true size.
     hidden = backbone.norm.weight.shape[0]
+    args = getattr(outer, "args", None)
+    rope = getattr(args, "rope_parameters", None) or getattr(args, "rope_scaling", None) or {}
+    section = rope.get("mrope_section") if isinstance(rope, dict) else None
     return TargetParts(
         backbone=backbone,
         embed_tokens=embed,
@@ -62,4 +67,5 @@ def find_target_parts(model: nn.Module) -> TargetParts:
         layers=list(backbone.layers),
         hidden_size=hidden,
         vocab_size=rows,
+        mrope_section=tuple(section) if section else None,
     )

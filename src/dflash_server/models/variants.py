@@ -144,3 +144,27 @@ def dflash2_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     if "block_size" not in dflash and "block_size" not in cfg:
         raise ValueError("DFlash2 drafter config.json is missing required key: block_size")
     return {**dflash_kwargs(cfg), **{k: int(dflash[k]) for k in DFLASH2_KEYS}}
+
+
+def check_pair(config: Any, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    """Raise a ValueError naming the mismatch when a drafter does not fit a target."""
+    problems = []
+    if config.hidden_size != hidden_size:
+        problems.append(f"hidden_size {config.hidden_size} != target's {hidden_size}")
+    if not 0 <= config.mask_token_id < vocab_size:
+        problems.append(
+            f"mask_token_id {config.mask_token_id} outside the target's {vocab_size} rows"
+        )
+    if config.vocab_size is not None and config.vocab_size != vocab_size:
+        problems.append(f"vocab_size {config.vocab_size} != target's {vocab_size}")
+    bad = [i for i in config.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's {num_layers} layers")
+    if config.num_target_layers is not None and config.num_target_layers != num_layers:
+        problems.append(f"trained on a {config.num_target_layers}-layer target, got {num_layers}")
+    if problems:
+        raise ValueError(
+            "drafter does not fit this target: "
+            + "; ".join(problems)
+            + ". Pick the drafter trained for this target (e.g. a 9B drafter for a 9B target)."
+        )

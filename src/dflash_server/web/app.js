@@ -1,6 +1,7 @@
 // The dflash-server chat page: streams /v1/chat/completions and shows what speculation did.
 // No framework, no build step. State lives in localStorage (conversation, settings, API key).
 
+import { Attachments, imageFiles, imagesHtml, userContent } from "./images.js";
 import { renderMarkdown } from "./markdown.js";
 import { assistantHtml } from "./views.js";
 
@@ -14,6 +15,7 @@ const state = {
   messages: loadJson(KEYS.chat, []),
   controller: null, // AbortController of the running request
   views: new Map(), // message object -> its <article>
+  attachments: null, // the images of the next message (images.js)
 };
 
 function loadJson(key, fallback) {
@@ -26,7 +28,14 @@ function loadJson(key, fallback) {
 }
 
 function saveChat() {
-  localStorage.setItem(KEYS.chat, JSON.stringify(state.messages));
+  try {
+    localStorage.setItem(KEYS.chat, JSON.stringify(state.messages));
+  } catch {
+    // Images can outgrow the browser's storage (a few MB): keep the conversation's text.
+    const text = state.messages.map((m) => (m.images && m.images.length
+      ? { ...m, images: [], imagesLost: m.images.length } : m));
+    localStorage.setItem(KEYS.chat, JSON.stringify(text));
+  }
 }
 
 // ----- settings ------------------------------------------------------------------------------
@@ -72,6 +81,10 @@ async function pollHealth() {
     state.model = (body.models || [])[0] || null;
     if (body.block_size) $("block-size").max = String(body.block_size);
     if (body.defaults) showDefaults(body.defaults);
+    state.attachments.configure(body);
+    $("attach").disabled = !body.vision;
+    $("attach").title = body.vision ? "Attach images (PNG, JPEG, WebP, GIF)"
+      : "This model takes no images";
     const parts = [state.model, body.block_size && `block ${body.block_size}`, body.status];
     $("server-status").textContent = parts.filter(Boolean).join(" · ");
     if (res.ok) retry = 0;
@@ -104,7 +117,8 @@ function view(msg) {
   }
   el.setAttribute("aria-busy", msg.streaming ? "true" : "false");
   if (msg.role === "user") {
-    el.innerHTML = `<h2 class="visually-hidden">You</h2><div class="md">${renderMarkdown(msg.content)}</div>`;
+    el.innerHTML = `<h2 class="visually-hidden">You</h2>${imagesHtml(msg)}` +
+      `<div class="md">${renderMarkdown(msg.content)}</div>`;
     return el;
   }
   el.innerHTML = assistantHtml(msg);
@@ -140,7 +154,7 @@ function update(msg) {
 function requestBody() {
   const history = [];
   for (const m of state.messages) {
-    if (m.role === "user") history.push({ role: "user", content: m.content });
+    if (m.role === "user") history.push({ role: "user", content: userContent(m) });
     else if (m.content && !m.streaming) history.push({ role: "assistant", content: m.content });
   }
   const body = {
@@ -231,7 +245,7 @@ function setBusy(busy) {
   $("stop").disabled = !busy;
 }
 
-async function send(text) {
+async function send(text, images) {
   let body;
   try {
     body = requestBody();
@@ -244,8 +258,9 @@ async function send(text) {
     return;
   }
   const reply = { role: "assistant", content: "", reasoning: "", toolCalls: [], streaming: true };
-  state.messages.push({ role: "user", content: text }, reply);
-  body.messages.push({ role: "user", content: text });
+  const question = { role: "user", content: text, images };
+  state.messages.push(question, reply);
+  body.messages.push({ role: "user", content: userContent(question) });
   render();
   const controller = new AbortController();
   state.controller = controller;
@@ -294,7 +309,34 @@ function newChat() {
 
 // ----- wiring --------------------------------------------------------------------------------
 
+// Images come from the button, a paste into the message box, or a drop on the conversation.
+function wireImages() {
+  $("attach").addEventListener("click", () => $("image-input").click());
+  $("image-input").addEventListener("change", async (e) => {
+    await state.attachments.add(Array.from(e.target.files));
+    e.target.value = ""; // the same file may be chosen again
+  });
+  $("prompt").addEventListener("paste", (e) => {
+    const files = imageFiles(e.clipboardData);
+    if (!files.length) return; // text pastes as usual
+    e.preventDefault();
+    state.attachments.add(files);
+  });
+  const area = document.querySelector("main.chat");
+  area.addEventListener("dragover", (e) => {
+    e.preventDefault();
+    $("composer").classList.add("dropping");
+  });
+  area.addEventListener("dragleave", () => $("composer").classList.remove("dropping"));
+  area.addEventListener("drop", (e) => {
+    e.preventDefault();
+    $("composer").classList.remove("dropping");
+    state.attachments.add(imageFiles(e.dataTransfer));
+  });
+}
+
 function init() {
+  state.attachments = new Attachments($("attachments"), $("attach-note"));
   for (const m of state.messages) {
     if (m.streaming) Object.assign(m, { streaming: false, stopped: true }); // page closed mid-answer
   }
@@ -305,10 +347,12 @@ function init() {
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const text = $("prompt").value.trim();
-    if (!text || state.controller) return;
+    const attached = state.attachments.items.length > 0;
+    if ((!text && !attached) || state.controller) return;
     $("prompt").value = "";
-    send(text);
+    send(text, state.attachments.take());
   });
+  wireImages();
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();

@@ -18,146 +18,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# The tokenizer builders live in testing/tokenizer.py; imported from here as they always were.
+from dflash_server.testing.tokenizer import _CORPUS as _CORPUS
+from dflash_server.testing.tokenizer import PRETOKENIZE_REGEX as PRETOKENIZE_REGEX
+from dflash_server.testing.tokenizer import SPECIAL_TOKENS as SPECIAL_TOKENS
+from dflash_server.testing.tokenizer import build_tokenizer as build_tokenizer
+from dflash_server.testing.tokenizer import mask_token_id as mask_token_id
+from dflash_server.testing.tokenizer import tokenizer_size as tokenizer_size
+
 if TYPE_CHECKING:
     from dflash_server.models.dflash2 import DFlash2DraftModel
     from dflash_server.models.drafter import DFlashDraftModel
 
 ARCHES = ("qwen3_5", "qwen3_5_moe", "qwen3", "llama")
-SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>")
-SPECIAL_TOKENS += ("</think>", "<tool_call>", "</tool_call>")
-# transformers' Qwen3_5Tokenizer split regex; transformers 5 rebuilds it for qwen3_5 folders.
-PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
-    r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_BPE_VOCAB = 352  # 256 byte symbols + ~96 merges, before the special tokens
-
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog. A speculative decoder drafts a block of tokens,
-and the target model verifies the whole block in one forward pass. When the draft agrees with
-the target, many tokens are accepted at once; otherwise the first mismatch is replaced by the
-target's own token. Hello, world! How are you today? I am fine, thank you. What is the capital
-of France? The capital of France is Paris. Let me think about this step by step.
-The answer is 42. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14 2.718.
-def fibonacci(n: int) -> int:
-    if n < 2:
-        return n
-    return fibonacci(n - 1) + fibonacci(n - 2)
-
-for i in range(10):
-    print(f"value {i} = {fibonacci(i)}")
-
-class Server:
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000) -> None:
-        self.host = host
-        self.port = port
-
-    def run(self) -> None:
-        return None
-
-import json
-data = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "stream": true}
-print(json.dumps(data, indent=2))
-function add(a, b) { return a + b; }
-const result = add(1, 2); console.log(result);
-SELECT name, value FROM table WHERE id = 1 ORDER BY name;
-The weather is nice today and the sun is shining over the hills.
-"""
-
-_CHAT_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format:"
-    "\\n\\n<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>"
-    "\\nvalue_1\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' %}{%- if not (tools and loop.first) %}"
-    "{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif message.role == 'user' %}"
-    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if message.reasoning_content %}"
-    "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
-    "{{- message.content or '' }}"
-    "{%- for tc in message.tool_calls or [] %}"
-    "{%- set f = tc.function if tc.function is defined else tc %}"
-    "{{- '\\n<tool_call>\\n<function=' + f.name + '>\\n' }}"
-    "{%- if f.arguments is mapping %}{%- for k, v in f.arguments.items() %}"
-    "{{- '<parameter=' + k + '>\\n' + (v if v is string else v | tojson) + '\\n</parameter>\\n' }}"
-    "{%- endfor %}{%- else %}{{- f.arguments ~ '\\n' }}{%- endif %}"
-    "{{- '</function>\\n</tool_call>' }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
-)
-
-
-def build_tokenizer(path: Path) -> None:
-    """Train a tiny byte-level BPE and write tokenizer.json + tokenizer_config.json to ``path``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_BPE_VOCAB,
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([_CORPUS], trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))  # appended after the BPE vocab, as in Qwen
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    flags = dict.fromkeys(("lstrip", "normalized", "rstrip", "single_word"), False)
-    added = {
-        str(tok.token_to_id(t)): {"content": t, **flags, "special": True} for t in SPECIAL_TOKENS
-    }
-    config = {
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "chat_template": _CHAT_TEMPLATE,
-        "eos_token": "<|im_end|>",
-        "model_max_length": 262144,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
-def tokenizer_size(path: Path) -> int:
-    """Number of named token ids (BPE vocab plus special tokens) in ``path/tokenizer.json``."""
-    data = json.loads((path / "tokenizer.json").read_text())
-    ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data["added_tokens"]]
-    return max(ids) + 1
-
-
-def mask_token_id(path: Path) -> int:
-    """A free embedding row past the named tokens, for the DFlash ``mask_token_id``.
-
-    Like the real Qwen3.5 (mask 248070 right after ``</think>`` and friends), it is the first id
-    the tokenizer never produces; ``build_target`` always leaves such rows in the embedding.
-    """
-    return tokenizer_size(path)
 
 
 def _text_config(
@@ -223,6 +96,8 @@ def build_target(
     seed: int = 0,
     quantize_bits: int | None = None,
     mtp: bool = False,
+    special: Sequence[str] = SPECIAL_TOKENS,
+    text_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random float32 mlx-lm model folder (config, weights, tokenizer); return ``path``.
 
@@ -231,7 +106,8 @@ def build_target(
     override (e.g. 32k for a ~100M benchmark model) leaves the tokenizer small. ``quantize_bits``
     quantizes (affine, group 64) the layers whose input width allows it, like ``mlx_lm.convert``.
     ``mtp`` (qwen3_5 only) adds a random MTP head, ``mtp.*`` tensors in the published layout
-    (``mtp_num_hidden_layers: 1`` in the text config), quantized like the rest.
+    (``mtp_num_hidden_layers: 1`` in the text config), quantized like the rest. ``special``: the
+    tokenizer's control tokens; ``text_overrides``: config fields to change.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -240,13 +116,14 @@ def build_target(
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
     path = Path(path)
-    build_tokenizer(path)
+    build_tokenizer(path, special)
     n_tok = tokenizer_size(path)
     vocab = vocab_size or -(-(n_tok + 16) // 64) * 64
     if vocab <= n_tok:
         raise ValueError(f"vocab_size {vocab} leaves no free row past {n_tok} named tokens")
     inter = intermediate_size or 3 * hidden_size
     text = _text_config(arch, hidden_size, num_hidden_layers, inter, vocab, tie_word_embeddings)
+    text.update(text_overrides or {})
     eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
     eos_id = next(t["id"] for t in eos if t["content"] == "<|im_end|>")
     if arch in ("qwen3_5", "qwen3_5_moe") and nested_text_config:
@@ -275,7 +152,7 @@ def build_target(
     norm.weight = -mx.abs(gain) if tie_word_embeddings else gain
     std = 0.15 if tie_word_embeddings else 1.0
     emb.weight = mx.random.normal(emb.weight.shape, dtype=mx.float32) * std
-    n_bpe = n_tok - len(SPECIAL_TOKENS)
+    n_bpe = n_tok - len(special)
     if tie_word_embeddings:
         emb.weight[n_bpe:] *= 0.05
     else:

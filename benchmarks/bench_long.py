@@ -1,0 +1,239 @@
+"""Long prompts: our cold prefill against mlx-lm's, and the "auto" controller at long contexts.
+
+On the ~100M fp32 ``qwen3_5`` benchmark target (``common.bench_target``) with a published-shape
+drafter (random weights: its pass costs what a real one's does):
+
+* ``prefill``: time to first token for a ``--lengths`` prompt: mlx-lm's own ``generate_step``
+  (plain prefill, its 2048-token chunks) against ours (the same chunks, plus the drafter's taps
+  and context), and the split of ours: the target alone, with taps, with the drafter's context.
+  Rounds interleave the two; paired ratios (ours / mlx-lm, tokens per second) are reported.
+* ``decode``: at each ``--contexts`` length the prompt is prefilled once and every mode decodes
+  ``--tokens`` greedy tokens from a copy of that state (so each mode pays the same context, not
+  the prefill): plain, each fixed width, and ``auto`` as the server runs it (the pair's measured
+  costs, which include the growth per context token), with the replaying test double at
+  ``--tau`` (its full blocks commit tau tokens); every mode's tokens equal plain decoding's.
+  Reported: decode tokens/s, auto / plain, auto / the best fixed width.
+* ``busy``: the batched pass costs and the cycle costs as a busy CPU measures them
+  (``--busy-factor`` x dearer for speculative passes and drafted cycles), then 4 streams at
+  tau 8 as the engine runs them: when each pass ran, its width, and the time until the batch
+  speculates again (real passes correct the costs), against a run with the true costs.
+
+    LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 \\
+        python benchmarks/bench_long.py --json /tmp/long.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from common import bench_target, published_drafter, write_json
+from dflash_server import load
+from dflash_server.generation.calibrate import measure_costs
+from dflash_server.generation.controller import BlockController
+from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.row import Row
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.target import TargetModel
+from dflash_server.models.window import DEFAULT_WINDOW
+from dflash_server.testing import ReplayDrafter
+
+
+def prompt_of(length: int, vocab: int = 30000) -> list[int]:
+    """A deterministic prompt of ``length`` ordinary token ids."""
+    return [(7 * i * i + 3 * i) % vocab + 100 for i in range(length)]
+
+
+def mlx_lm_ttft(model: Any, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    next(generate_step(mx.array(prompt), model, max_tokens=1))
+    return time.perf_counter() - start
+
+
+def ours_ttft(model: Any, draft: Any, prompt: list[int], taps: bool = True) -> float:
+    """Our prefill to the first token: with the drafter (taps and context), with taps only,
+    or (``draft=None, taps=False``) the target alone through our loop."""
+    ids = tuple(draft.config.target_layer_ids) if taps and draft is not None else ()
+    row = Row(TargetModel(model, ids), draft, TokenSampler(SamplingParams()), FixedBlock(1))
+    row.begin(prompt, 1)
+    start = time.perf_counter()
+    row.read(row.prefill())
+    return time.perf_counter() - start
+
+
+def prefill(model: Any, draft: Any, lengths: list[int], rounds: int) -> list[dict]:
+    rows = []
+    for n in lengths:
+        prompt = prompt_of(n)
+        runs: dict[str, list[float]] = {"mlx_lm": [], "target": [], "taps": [], "ours": []}
+        for _ in range(rounds):
+            runs["mlx_lm"].append(mlx_lm_ttft(model, prompt))
+            runs["target"].append(ours_ttft(model, None, prompt, taps=False))
+            runs["taps"].append(_taps_only(model, draft, prompt))
+            runs["ours"].append(ours_ttft(model, draft, prompt))
+        ratio = statistics.median(m / o for m, o in zip(runs["mlx_lm"], runs["ours"]))
+        row = {
+            "tokens": n,
+            **{f"{k}_tok_s": round(n / statistics.median(v), 1) for k, v in runs.items()},
+            "ours_vs_mlx_lm": round(ratio, 3),
+        }
+        rows.append(row)
+        print(json.dumps({"prefill": row}), flush=True)
+    return rows
+
+
+def _taps_only(model: Any, draft: Any, prompt: list[int]) -> float:
+    """The target with the drafter's taps hooked, but no drafter context computed."""
+    target = TargetModel(model, tuple(draft.config.target_layer_ids))
+    cache = target.make_cache()
+    start = time.perf_counter()
+    for begin in range(0, len(prompt), 2048):
+        end = min(begin + 2048, len(prompt))
+        logits, taps = target.forward(
+            mx.array(prompt[begin:end])[None],
+            cache,
+            slice(-1, None) if end == len(prompt) else None,
+        )
+        mx.eval([c.state for c in cache], *([] if taps is None else [taps]))
+    mx.eval(logits)
+    return time.perf_counter() - start
+
+
+def decode(model: Any, draft: Any, contexts: list[int], taus: list[int], n: int,
+           widths: list[int], rounds: int) -> list[dict]:  # fmt: skip
+    costs = measure_costs(model, draft)
+    print(costs.describe(), flush=True)
+    rows = []
+    for length in contexts:
+        prompt = prompt_of(length)
+        reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n + 16)]
+        for tau in taus:
+            replay = ReplayDrafter(prompt + reference, [tau - 1], draft)
+            modes: dict[str, Any] = {"plain": None, **{f"fixed {w}": w for w in widths}}
+            modes["auto"] = "auto"
+            rates: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(rounds):
+                for mode, width in modes.items():
+                    if width is None:
+                        policy, d = FixedBlock(1), None
+                    elif width == "auto":
+                        policy, d = BlockController(16, costs.copy()), replay
+                    else:
+                        policy, d = FixedBlock(width), replay
+                    taps = tuple(draft.config.target_layer_ids) if d is not None else ()
+                    row = Row(TargetModel(model, taps), d, TokenSampler(SamplingParams()), policy)
+                    tokens, start = [], None
+                    for commit in SpeculativeDecoder(row).generate(prompt, n):
+                        start = start or time.perf_counter()  # after the prefill
+                        tokens.extend(commit.tokens)
+                    rates[mode].append((len(tokens) - 1) / (time.perf_counter() - start))
+                    assert tokens == reference[:n], f"{mode} at {length}: output differs"
+            med = {m: statistics.median(v) for m, v in rates.items()}
+            best = max((m for m in modes if m.startswith("fixed")), key=lambda m: med[m])
+            row_out = {
+                "context": length,
+                "tau": tau,
+                "tok_s": {m: round(v, 2) for m, v in med.items()},
+                "auto_vs_plain": round(statistics.median(
+                    a / p for a, p in zip(rates["auto"], rates["plain"])), 3),
+                "best_fixed": best,
+                "auto_vs_best": round(statistics.median(
+                    a / b for a, b in zip(rates["auto"], rates[best])), 3),
+            }  # fmt: skip
+            rows.append(row_out)
+            print(json.dumps({"decode": row_out}), flush=True)
+    return rows
+
+
+def busy(model: Any, draft: Any, factor: float, n: int) -> dict:
+    """Time from the first pass until the batch speculates, with costs a busy CPU measured."""
+    import math
+
+    from dflash_server.generation.batch import BatchDecoder
+    from dflash_server.generation.batch_budget import measure_pass_costs
+
+    target = TargetModel(model, draft.config.target_layer_ids)
+    costs = measure_costs(model, draft)
+    passes = measure_pass_costs(target, draft, growth=costs)
+    out = {}
+    for label, inflate in (("true costs", 1.0), (f"{factor:g}x dearer", factor)):
+        cycle, pass_costs = costs.copy(), copy.deepcopy(passes)
+        cycle.shared = None
+        for width in [w for w in cycle.verify if w > 1]:
+            cycle.residual[width] = cycle.residual.get(width, 0.0) + math.log(inflate)
+        pass_costs.spec_drift = math.log(inflate)
+        batch = BatchDecoder(target, costs=pass_costs)
+        rows = []
+        for i in range(4):
+            prompt = prompt_of(64 + i)
+            reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n + 16)]
+            replay = ReplayDrafter(prompt + reference, [7], draft)
+            row = Row(
+                target, replay, TokenSampler(SamplingParams()), BlockController(16, cycle.copy())
+            )
+            batch.add(row, prompt, n)
+            rows.append(row)
+        start, timeline = time.perf_counter(), []
+        while batch.busy:
+            before = batch.passes
+            batch.step()
+            if batch.passes > before:
+                rows_, verified = batch.last_pass
+                timeline.append((time.perf_counter() - start, verified // rows_))
+        wall = time.perf_counter() - start
+        wide = [t for t, w in timeline if w > 1]
+        # Recovered: from the first pass after which most passes are speculative.
+        settled = next((t for i, (t, _) in enumerate(timeline)
+                        if sum(w > 1 for _, w in timeline[i:]) > 0.8 * len(timeline[i:])),
+                       None)  # fmt: skip
+        out[label] = {
+            "passes": len(timeline),
+            "speculative_passes": len(wide),
+            "seconds_to_settle": None if settled is None else round(settled, 2),
+            "tok_s": round(4 * n / wall, 1),
+        }
+        print(json.dumps({"busy": label, **out[label]}), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--target", help="mlx-lm model (default: build a random ~100M qwen3_5)")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 32768])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[16384, 32768])
+    ap.add_argument("--tau", type=int, nargs="*", default=[1, 4, 8])
+    ap.add_argument("--widths", type=int, nargs="*", default=[2, 4, 8, 16])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--busy-factor", type=float, default=20.0, help="0: skip the busy part")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    path = args.target or bench_target(Path(tmp.name) / "t")
+    model, _ = load(str(path))
+    draft = published_drafter(model, block_size=16)
+    draft.set_window(DEFAULT_WINDOW)  # as the server runs it: sinks + the newest positions
+    result: dict[str, Any] = {}
+    if args.lengths:
+        result["prefill"] = prefill(model, draft, args.lengths, args.rounds)
+    if args.contexts:
+        result["decode"] = decode(model, draft, args.contexts, args.tau, args.tokens,
+                                  args.widths, args.rounds)  # fmt: skip
+    if args.busy_factor:
+        result["busy"] = busy(model, draft, args.busy_factor, 4 * args.tokens)
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()

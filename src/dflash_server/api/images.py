@@ -1,0 +1,188 @@
+"""Images in requests, checked at the boundary: a data URL (or, with --allow-remote-images, an
+http(s) URL) becomes the processor's patches, or a 400 naming the field and the cause.
+
+Every API's image part (chat ``image_url``, Messages ``image``, Responses ``input_image``)
+arrives here as an ``ImageRef``; decoding (PNG, JPEG, WebP, GIF's first frame) and the
+processor's resize run off the event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from dflash_server.api.errors import APIError
+from dflash_server.models.vision import ImageInput, VisionTower, open_image
+from dflash_server.settings import Settings
+
+FETCH_SECONDS = 10.0  # a remote image must arrive within this
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one image, encoded
+MAX_DECODED_PIXELS = 64 * 1024 * 1024  # one image before resizing (guards decompression bombs)
+LOW_DETAIL_PIXELS = 512 * 512  # "detail": "low"
+DETAILS = ("auto", "low", "high")
+VIDEO_PARTS = ("video_url", "video", "input_video")
+PART_KEY = "dflash_part"  # a translated image part names the request part it came from
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image part of a request: its URL and ``detail``; ``part`` is its path in the request
+    (named in messages), ``param`` the content field that holds it (the error's param)."""
+
+    url: str
+    part: str
+    detail: str | None = None
+
+    @property
+    def param(self) -> str:
+        return self.part.rpartition(".")[0] or self.part
+
+
+def image_ref(part: dict[str, Any], where: str) -> ImageRef:
+    """The image of a chat ``image_url`` part at ``where`` (its ``image_url`` an object with
+    ``url`` and ``detail``, or a bare URL string as some clients send)."""
+    where = part[PART_KEY] if isinstance(part.get(PART_KEY), str) else where
+    value = part.get("image_url")
+    if isinstance(value, str):
+        value = {"url": value}
+    url = value.get("url") if isinstance(value, dict) else None
+    detail = value.get("detail") if isinstance(value, dict) else None
+    ref = ImageRef(url if isinstance(url, str) else "", where, detail)
+    if not ref.url:
+        raise APIError(400, f"{where}: the image needs a URL (image_url.url)", param=ref.param)
+    if detail is not None and detail not in DETAILS:
+        raise APIError(
+            400,
+            f"{where}: image_url.detail must be one of {', '.join(DETAILS)}",
+            param=ref.param,
+            code="invalid_value",
+        )
+    return ref
+
+
+def video_unsupported(where: str) -> APIError:
+    return APIError(
+        400,
+        f"{where}: video input is not supported yet; send frames as images",
+        param=where.rpartition(".")[0] or where,
+        code="unsupported_content",
+    )
+
+
+async def load_images(
+    refs: list[ImageRef], settings: Settings, vision: VisionTower | None, why_not: str
+) -> list[ImageInput]:
+    """The request's images as patches, in order; ``why_not`` says why a model without a
+    vision tower takes none."""
+    if not refs:
+        return []
+    if vision is None:
+        raise APIError(
+            400,
+            f"{refs[0].part}: this model takes no images: {why_not}",
+            param=refs[0].param,
+            code="unsupported_content",
+        )
+    if len(refs) > settings.max_images:
+        raise APIError(
+            400,
+            f"the request holds {len(refs)} images, more than the {settings.max_images} this "
+            "server takes (--max-images)",
+            param=refs[settings.max_images].param,
+            code="too_many_images",
+        )
+    return [await run_in_threadpool(_load, ref, settings, vision) for ref in refs]
+
+
+def _load(ref: ImageRef, settings: Settings, vision: VisionTower) -> ImageInput:
+    data = _bytes(ref, settings.allow_remote_images)
+    cap = settings.max_image_pixels
+    if ref.detail == "low":
+        cap = min(cap, LOW_DETAIL_PIXELS)
+    try:
+        return vision.prepare(open_image(data, MAX_DECODED_PIXELS), cap)
+    except ValueError as exc:
+        raise APIError(400, f"{ref.part}: {exc}", param=ref.param, code="invalid_image") from exc
+
+
+def _bytes(ref: ImageRef, remote: bool) -> bytes:
+    """The encoded image of a data URL (base64), or fetched from an http(s) URL."""
+    url, where, param = ref.url, ref.part, ref.param
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        media = head[5:].split(";")[0]
+        if media.startswith("video/"):
+            raise video_unsupported(where)
+        if not head.endswith(";base64") or (media and not media.startswith("image/")):
+            raise APIError(
+                400,
+                f"{where}: a data URL must hold a base64 image (data:image/png;base64,...)",
+                param=param,
+                code="invalid_image",
+            )
+        try:
+            raw = base64.b64decode("".join(data.split()), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise APIError(
+                400, f"{where}: the base64 data does not decode: {exc}", param=param,
+                code="invalid_image",
+            ) from exc  # fmt: skip
+        if len(raw) > MAX_IMAGE_BYTES:
+            raise _too_large(ref)
+        return raw
+    if not url.startswith(("http://", "https://")):
+        raise APIError(
+            400,
+            f"{where}: an image must be a data URL (data:image/png;base64,...) or an http(s) URL",
+            param=param,
+            code="invalid_image",
+        )
+    if not remote:
+        raise APIError(
+            400,
+            f"{where}: this server does not fetch image URLs; send the image as a data URL "
+            "(data:image/png;base64,...), or start the server with --allow-remote-images",
+            param=param,
+            code="remote_images_disabled",
+        )
+    return _fetch(ref)
+
+
+def _fetch(ref: ImageRef) -> bytes:
+    """An http(s) image, within ``FETCH_SECONDS`` in all and ``MAX_IMAGE_BYTES``."""
+    deadline = time.monotonic() + FETCH_SECONDS
+    request = urllib.request.Request(ref.url, headers={"User-Agent": "dflash-server"})
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        with urllib.request.urlopen(request, timeout=FETCH_SECONDS) as response:
+            while chunk := response.read(64 * 1024):
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise _too_large(ref)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no image within {FETCH_SECONDS:g} s")
+                chunks.append(chunk)
+    except (urllib.error.URLError, OSError, ValueError) as exc:  # TimeoutError is an OSError
+        reason = getattr(exc, "reason", None) or exc
+        raise APIError(
+            400, f"{ref.part}: could not fetch the image: {reason}", param=ref.param,
+            code="invalid_image",
+        ) from exc  # fmt: skip
+    return b"".join(chunks)
+
+
+def _too_large(ref: ImageRef) -> APIError:
+    return APIError(
+        400,
+        f"{ref.part}: the image is larger than {MAX_IMAGE_BYTES} bytes",
+        param=ref.param,
+        code="invalid_image",
+    )
