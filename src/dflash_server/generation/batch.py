@@ -231,8 +231,9 @@ class BatchDecoder:
         widths = [c.size for c in choices]
         if self.costs is not None and len(rows) > 1:  # the verify budget (batch_budget.py)
             budget = choose_widths(rows, choices, self.costs)
-            if budget == widths:  # nothing narrowed: probing starts over
-                self._capped, self._probe_gap = 0, _PROBE_GAP
+            if budget == widths:  # nothing narrowed: probing starts over once drafts ran
+                if max(widths) > 1:
+                    self._capped, self._probe_gap = 0, _PROBE_GAP
             elif not self._probe():
                 widths = budget
         if self.max_verify is not None:
@@ -247,7 +248,10 @@ class BatchDecoder:
     def _probe(self) -> bool:
         """Whether to let the rows' own widths through a pass the budget would narrow, to
         measure it (its costs may come from a busy moment): after a gap of narrowed passes
-        that doubles, up to ``_MAX_PROBE_GAP``, while the budget keeps narrowing."""
+        that doubles, up to ``_MAX_PROBE_GAP``, while the budget keeps narrowing; at once
+        while no real speculative pass has checked the calibration."""
+        if self.costs is not None and not self.costs.checked:
+            return True
         self._capped += 1
         if self._capped < self._probe_gap:
             return False
@@ -283,8 +287,13 @@ class BatchDecoder:
                           inputs[i][: c.size], drafts[i][1], h)
                 for i, (row, c, h) in enumerate(zip(rows, choices, histories))
             ]  # fmt: skip
-            mx.async_eval(*[a for c in cycles for a in c.arrays()])
-        commits = {row: row.read(cycle) for row, cycle in zip(rows, cycles)}
+            mx.eval(*[a for c in cycles for a in c.arrays()])
+        # Each row learns what its cycle would have cost alone (the rows' cost models are lone
+        # ones): the pass's time scaled by the measured curve's lone/batched ratio.
+        alone = time.perf_counter() - start
+        if self.costs is not None and len(rows) > 1:
+            alone *= self.costs.cost(1, width) / self.costs.cost(len(rows), width)
+        commits = {row: row.read(cycle, alone) for row, cycle in zip(rows, cycles)}
         for row in rows:
             row.stats.batch_histogram[len(rows)] = row.stats.batch_histogram.get(len(rows), 0) + 1
         keep = [row.kept for row in rows]

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 _PASS_ALPHA = 0.5  # weight of one observed pass (half shared by its kind, half its point's)
 _PASS_CLIP = math.log(3.0)  # one pass moves a residual by at most this (log) factor
+_EARLY, _EARLY_CLIP = 3, math.log(50.0)  # the first real speculative passes replace the load-time
+# calibration (their running mean, into the drift all speculative points share); later ones refine
 
 
 @dataclass
@@ -47,6 +49,7 @@ class PassCosts:
     spec_residual: dict[int, float] = field(default_factory=dict)  # positions -> log correction
     plain_drift: float = 0.0  # log correction every plain point shares
     spec_drift: float = 0.0  # the same for speculative points
+    checked: int = 0  # real speculative passes observed (0: the calibration alone)
 
     def base(self, rows: int, width: int, extra_context: int = 0) -> float:
         """The measured curve at this pass, plus attention over the rows' ``extra_context``
@@ -62,12 +65,18 @@ class PassCosts:
     def observe(self, rows: int, width: int, seconds: float, extra_context: int = 0) -> float:
         """Fold a real pass's wall time into the curve (log space, clipped: one slow pass
         cannot flip the budget): half into the drift every point of its kind shares (a busy
-        measure inflated them all), half into its own point. Return log(seconds / estimate)."""
+        measure inflated them all), half into its own point; the first speculative passes go
+        wholly into the drift (``_EARLY``). Return log(seconds / estimate)."""
         if not seconds > 0:
             return 0.0
         residuals, x = self._residuals(rows, width)
         error = math.log(seconds / self.base(rows, width, extra_context))
         error -= self._correction(rows, width)
+        if width > 1:
+            self.checked += 1
+            if self.checked <= _EARLY:
+                self.spec_drift += max(-_EARLY_CLIP, min(_EARLY_CLIP, error)) / self.checked
+                return error
         step = _PASS_ALPHA / 2 * max(-_PASS_CLIP, min(_PASS_CLIP, error))
         residuals[x] = (CostModel._interp(residuals, x) if residuals else 0.0) + step
         if width <= 1:

@@ -189,9 +189,13 @@ class BlockController:
 
     def _first_gap(self) -> int:
         """Plain steps before a first probe: at least ``min_gap``, and enough that a failed
-        probe costs at most ``probe_budget`` of the plain decoding around it."""
+        probe costs at most ``probe_budget`` of the plain decoding around it. Costs no real
+        drafted cycle has checked yet (a calibration, maybe from a busy moment) earn one early
+        probe: its risk is a single cycle."""
         if self.max_block == 1:  # no drafter: nothing to probe (suffix drafts only)
             return self.max_gap
+        if not self.costs.checked:
+            return self.min_gap
         extra = self.costs.cycle(self.probe_block) / self.costs.cycle(1) - 1
         return min(self.max_gap, max(self.min_gap, math.ceil(extra / self.probe_budget)))
 

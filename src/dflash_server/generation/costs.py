@@ -25,6 +25,9 @@ from typing import Any
 _ALPHA = 0.25  # weight of one observed cycle in the running correction
 _SHARED = 0.2  # the pair's model moves this much of a request's step (many requests refine it)
 _CLIP = math.log(3.0)  # one observation moves the correction by at most this (log) factor
+# The first real drafted cycles replace the load-time calibration (their running mean, clipped
+# wide), which a busy moment may have inflated many times; later ones only refine it.
+_EARLY, _EARLY_CLIP = 3, math.log(50.0)
 
 
 @dataclass
@@ -45,6 +48,7 @@ class CostModel:
     slope: dict[int, float] = field(default_factory=dict)  # width -> s per token past ``context``
     draft_slope: float = 0.0  # the drafter pass's growth per context token
     shared: CostModel | None = field(default=None, repr=False)  # the pair's, refined too
+    checked: int = 0  # real drafted cycles observed (0: the curve is the calibration alone)
 
     @staticmethod
     def _interp(points: dict[int, float], x: int) -> float:
@@ -100,15 +104,24 @@ class CostModel:
     ) -> None:
         """Fold one real cycle's wall time into its width's residual (and a little into the
         shared drift, so widths not used lately follow a slower machine); the pair's model
-        (``shared``) takes a fraction of the step."""
+        (``shared``) takes a fraction of the step. The first ``_EARLY`` drafted cycles move
+        every drafted width by their running mean's error instead (the calibration's bias)."""
         if not self.refine or not seconds > 0:
             return
         size = max(1, size)
         residual = self._residual(size, drafted)
         error = math.log(seconds / self.base(size, drafted, context)) - self.log_scale - residual
-        error = max(-_CLIP, min(_CLIP, error))
         residuals = self.residual if drafted or size == 1 else self.verify_residual
-        residuals[size] = residual + weight * _ALPHA * error
+        if size > 1 and drafted:
+            self.checked += 1
+            if self.checked <= _EARLY:  # the calibration's error, shared by every drafted width
+                step = max(weight * _ALPHA, 1 / self.checked)
+                error = step * max(-_EARLY_CLIP, min(_EARLY_CLIP, error))
+                widths = {size, *(w for w in residuals if w > 1)}
+                residuals.update({w: self._residual(w) + error for w in widths})
+                error = 0.0  # nothing left for the drift below
+        error = max(-_CLIP, min(_CLIP, error))
+        residuals[size] = self._residual(size, drafted) + weight * _ALPHA * error
         self.log_scale += weight * _ALPHA / 4 * error
         if self.shared is not None:
             self.shared.observe(size, seconds, drafted, context, weight * _SHARED)

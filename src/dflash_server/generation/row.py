@@ -315,15 +315,17 @@ class Row:
             logprobs = self._logprobs(processed, emitted)
         return Cycle(result, taps, size, logprobs, choice.source, choice.confidence, inputs=inputs)
 
-    def read(self, cycle: Cycle) -> Commit:
+    def read(self, cycle: Cycle, seconds: float | None = None) -> Commit:
         """Sync on a cycle (the one host sync per cycle) and commit its tokens: cut at an EOS
         id or ``max_tokens`` (``Commit.finish``), fed to the penalties, the suffix index and
-        the constraint. The policy and stats learn from the cycle, the committed positions'
+        the constraint. The policy and stats learn from the cycle (``seconds``: what it cost
+        this row, a batch's share; else the time since the last read), the committed positions'
         taps become drafter context; ``last`` is the next anchor, ``kept`` the verified
         positions the caches keep (the driver's rollback)."""
         values = cast("list[int]", cycle.result.tolist())
         now = time.perf_counter()
-        seconds = None if self._last_read is None else now - self._last_read
+        if seconds is None and self._last_read is not None:
+            seconds = now - self._last_read
         self._last_read = now
         accepted, bonus = values[0], values[1]
         source = SUFFIX if cycle.source == SUFFIX else DRAFTER
