@@ -232,8 +232,8 @@ def test_bytes_per_token_match_the_caches(wide) -> None:
         if bits is not None:
             cache[0] = cache[0].to_quantized(group_size=64, bits=bits)
         assert kv_bytes_per_token(shapes, bits, 64) * 256 == cache[0].nbytes, bits
-    assert kv_bytes_per_token(shapes, 4) < kv_bytes_per_token(shapes, 8) < kv_bytes_per_token(
-        shapes
+    assert (
+        kv_bytes_per_token(shapes, 4) < kv_bytes_per_token(shapes, 8) < kv_bytes_per_token(shapes)
     )
 
 
