@@ -238,8 +238,8 @@ def stream_generate(
     ``images`` (PIL images, file paths or encoded bytes) need the checkpoint's ``vision``
     (``load_vision``); the prompt holds one ``<|image_pad|>`` per image, as the chat template
     renders an image part. ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start`` quantize
-    the target's attention KV as mlx-lm's ``generate_step`` does (docs/design.md, "Quantized KV
-    cache").
+    the target's attention KV as mlx-lm's ``generate_step`` does
+    (docs/design.md, "Quantized KV cache").
     """
     kv = KVQuant.of(kv_bits, kv_group_size, quantized_kv_start)
     if not isinstance(tokenizer, TokenizerWrapper):
