@@ -29,6 +29,12 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from dflash_server.generation.kv_quant import (
+    KV_BITS,
+    KV_GROUP_SIZES,
+    QUANTIZED_KV_START,
+    KVQuant,
+)
 from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
 
 DEFAULT_PRESET = "qwen3.5-4b"
@@ -221,6 +227,20 @@ class Settings(BaseSettings, _SamplingDefaults):
         gt=0,
         description="prompt chunk size for prefill: other streams advance between chunks",
     )
+    kv_bits: int | None = Field(
+        None,
+        description="quantize the target's attention KV cache to this many bits "
+        f"({', '.join(map(str, KV_BITS))}; as mlx-lm's --kv-bits; default: full precision)",
+    )
+    kv_group_size: int = Field(
+        64, description=f"group size of the KV quantization ({', '.join(map(str, KV_GROUP_SIZES))})"
+    )
+    quantized_kv_start: int = Field(
+        QUANTIZED_KV_START,
+        ge=0,
+        description="with --kv-bits: quantize a request's KV once it holds this many tokens "
+        "(as mlx-lm's --quantized-kv-start)",
+    )
     prefix_cache: bool = Field(True, description="reuse earlier prompts' prefilled state")
     prefix_cache_bytes: int | None = Field(
         None, gt=0, description="RAM for the prefix cache (default: 1/8 of the machine's)"
@@ -285,6 +305,20 @@ class Settings(BaseSettings, _SamplingDefaults):
             return [o.strip() for o in value.split(",") if o.strip()]
         return value
 
+    @field_validator("kv_bits")
+    @classmethod
+    def _check_kv_bits(cls, value: int | None) -> int | None:
+        if value is not None and value not in KV_BITS:
+            raise ValueError(f"must be one of {', '.join(map(str, KV_BITS))}, got {value}")
+        return value
+
+    @field_validator("kv_group_size")
+    @classmethod
+    def _check_kv_group(cls, value: int) -> int:
+        if value not in KV_GROUP_SIZES:
+            raise ValueError(f"must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {value}")
+        return value
+
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
         if self.target is None and self.draft is not None:
@@ -334,6 +368,11 @@ class Settings(BaseSettings, _SamplingDefaults):
             return cls(**cli)
         finally:
             _BASE_PRESET.reset(token)
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        """The attention KV quantization every request gets (None: full precision)."""
+        return KVQuant.of(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     @property
     def suffix_tokens(self) -> int:

@@ -127,6 +127,7 @@ def build_engine(
         prefill_step_size=settings.prefill_step_size,
         batching=settings.batching,
         max_verify=settings.max_verify,
+        kv=settings.kv_quant,
         generate=generate,
         on_fatal=on_fatal,
         on_ready=ready,

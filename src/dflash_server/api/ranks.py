@@ -84,7 +84,7 @@ def follow(settings: Settings, target_path: str, draft_path: str | None, group: 
         return 1
     follower = Follower(
         models.pair,
-        make_batch(models, settings.max_verify),
+        make_batch(models, settings.max_verify, settings.kv_quant),
         Channel(group),
         timeout_s=settings.rank_timeout,
         on_hang=_exit_now,

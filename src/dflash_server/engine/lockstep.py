@@ -197,8 +197,9 @@ class Follower:
         if self.prefix_cache is not None:
             store = AgreedPrefix(self.prefix_cache, event.restored, self.channel.rank)
         generation = Generation(
-            self.pair, event.request, prefill_step_size=self.prefill_step_size, prefix=store
-        )
+            self.pair, event.request, prefill_step_size=self.prefill_step_size, prefix=store,
+            kv=self.batch.kv,
+        )  # fmt: skip
         row = generation.row
         self.batch.add(row, generation.prompt, event.request.max_tokens, generation.eos_ids)
         row.prefix_hit()  # where rank 0 looked: before anything else changes the cache

@@ -30,7 +30,15 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, common_prefix, restorable
+from dflash_server.generation.prefix import (
+    Checkpoint,
+    LayerKV,
+    PromptSnapshot,
+    QuantKV,
+    common_prefix,
+    layer_arrays,
+    restorable,
+)
 
 log = logging.getLogger("dflash_server")
 FORMAT = "dflash-prefix-2"  # -1: no checksum
@@ -194,11 +202,9 @@ class PrefixDisk:
         stored_kind = _kind(meta["kind"])
         if stored_kind != entry.kind or not np.array_equal(tokens, entry.tokens):
             raise Damaged("changed since it was indexed")
-        layers = json.loads(meta["layers"])  # "kv" or "recurrent" per target layer
-        kv = [
-            (arrays[f"kv.{i}.keys"], arrays[f"kv.{i}.values"]) if kind == "kv" else None
-            for i, kind in enumerate(layers)
-        ]
+        # Per target layer: "kv", "recurrent", or "kv:<bits>:<group size>" (quantized).
+        layers = json.loads(meta["layers"])
+        kv = [_stored_kv(arrays, i, kind) for i, kind in enumerate(layers)]
         n_draft = int(meta["draft_layers"])
         draft_kv = [_stored_pair(arrays, f"draft.{i}") for i in range(n_draft)] if n_draft else None
         checkpoints: dict[int, Checkpoint] = {}
@@ -208,7 +214,12 @@ class PrefixDisk:
             ]
             draft = [_pair(arrays, f"dckpt.{p}.{i}") for i in range(n_draft)] if windowed else None
             checkpoints[int(p)] = Checkpoint(recurrent, draft)
-        if any(a.shape[-2] != len(tokens) for pair in kv if pair is not None for a in pair):
+        if any(
+            a.shape[-2] != len(tokens)
+            for pair in kv
+            if pair is not None
+            for a in layer_arrays(pair)
+        ):
             raise Damaged(f"attention KV of another length than its {len(tokens)} tokens")
         return PromptSnapshot(tuple(int(t) for t in tokens), kv, draft_kv, checkpoints)
 
@@ -240,9 +251,14 @@ class PrefixDisk:
         arrays: dict[str, mx.array] = {}
         layers = []
         for i, pair in enumerate(snapshot.kv):
-            layers.append("recurrent" if pair is None else "kv")
-            if pair is not None:
-                arrays[f"kv.{i}.keys"], arrays[f"kv.{i}.values"] = pair
+            if isinstance(pair, QuantKV):
+                layers.append(f"kv:{pair.bits}:{pair.group_size}")
+                for part, (keys, values) in enumerate(zip(pair.keys, pair.values)):
+                    arrays[f"kv.{i}.keys.{part}"], arrays[f"kv.{i}.values.{part}"] = keys, values
+            else:
+                layers.append("recurrent" if pair is None else "kv")
+                if pair is not None:
+                    arrays[f"kv.{i}.keys"], arrays[f"kv.{i}.values"] = pair
         for i, pair in enumerate(snapshot.draft_kv or []):
             arrays[f"draft.{i}.keys"], arrays[f"draft.{i}.values"] = pair
         layout = {}  # position -> (slots per recurrent layer, whether drafter windows are kept)
@@ -299,6 +315,18 @@ def _kind(text: str) -> tuple:
     if not isinstance(kind, tuple):
         raise Damaged(f"snapshot kind {text[:40]!r} is not a list")
     return kind
+
+
+def _stored_kv(arrays: dict[str, mx.array], i: int, kind: str) -> LayerKV | None:
+    """Target layer ``i``'s stored attention KV (None: a recurrent layer)."""
+    if kind == "recurrent":
+        return None
+    if kind == "kv":
+        return _stored_pair(arrays, f"kv.{i}")
+    _, bits, group_size = kind.split(":")
+    keys = tuple(arrays[f"kv.{i}.keys.{part}"] for part in range(3))
+    values = tuple(arrays[f"kv.{i}.values.{part}"] for part in range(3))
+    return QuantKV(keys, values, int(bits), int(group_size))  # type: ignore[arg-type]
 
 
 def _pair(arrays: dict[str, mx.array], prefix: str) -> tuple[mx.array, mx.array] | None:

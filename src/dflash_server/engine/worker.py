@@ -31,6 +31,7 @@ from dflash_server.engine.loader import LoadedModels, ModelLoadError
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.runs import DONE, Run
 from dflash_server.generation.batch import BatchDecoder, Outcome
+from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.request import GenerationRequest
 from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
@@ -84,6 +85,7 @@ class Engine:
         max_verify: int | None = None,
         on_pass: Callable[[int, int], None] | None = None,
         lockstep: Lockstep | None = None,
+        kv: KVQuant | None = None,
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
@@ -91,6 +93,7 @@ class Engine:
             raise ValueError("ranks run in lockstep only with batching='batched'")
         self.lockstep = lockstep
         self.batching, self.max_verify = batching, max_verify
+        self.kv = kv  # quantized attention KV for every request (None: full precision)
         self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
         self.rows: BatchDecoder | LoneRows = LoneRows()  # what each round steps
         self._by_row: dict[Row, Run] = {}
@@ -229,7 +232,9 @@ class Engine:
     def _main(self) -> None:
         try:
             self.models = self._loader()
-        except ModelLoadError as exc:
+            if self.kv is not None:
+                self.kv.check_model(self.models.pair.model)
+        except (ModelLoadError, ValueError) as exc:
             self._fail(str(exc))
             return
         except Exception as exc:
@@ -237,7 +242,7 @@ class Engine:
             self._fail(f"model loading failed: {exc}")
             return
         if self.batching == "batched":
-            self.batch = self.rows = make_batch(self.models, self.max_verify)
+            self.batch = self.rows = make_batch(self.models, self.max_verify, self.kv)
         if self._auto_active:
             supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
             self.max_active = max(4, supported)
@@ -344,7 +349,7 @@ class Engine:
                 return Run(job, texts, gen=self._generate(m, job.request))
             generation = Generation(
                 m.pair, job.request, prefill_step_size=self.prefill_step_size,
-                prefix=self.prefix_cache,
+                prefix=self.prefix_cache, kv=self.kv,
             )  # fmt: skip
             request = job.request
             self.rows.add(generation.row, generation.prompt, request.max_tokens,
@@ -379,7 +384,9 @@ class Engine:
         self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed
 
 
-def make_batch(models: LoadedModels, max_verify: int | None) -> BatchDecoder:
+def make_batch(
+    models: LoadedModels, max_verify: int | None, kv: KVQuant | None = None
+) -> BatchDecoder:
     """The batch of the loaded pair; with the cycle costs measured at load, its pass costs too
     (from the calibration cache when this pair was measured on this machine before)."""
     from functools import partial
@@ -394,4 +401,4 @@ def make_batch(models: LoadedModels, max_verify: int | None) -> BatchDecoder:
         )
         costs = models.calibration.fetch("batch", PassCosts, measure)
         log.info("%s", costs.describe())
-    return BatchDecoder(pair.target, max_verify, costs)
+    return BatchDecoder(pair.target, max_verify, costs, kv)

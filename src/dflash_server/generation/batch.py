@@ -40,6 +40,7 @@ from dflash_server.generation.batch_cache import BatchCache, batchable, rollback
 from dflash_server.generation.batch_draft import propose_rows
 from dflash_server.generation.batch_prefill import prefill_together
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit, Cycle
+from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice
 from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
@@ -65,8 +66,10 @@ class BatchDecoder:
         target: TargetModel,
         max_verify: int | None = None,
         costs: PassCosts | None = None,
+        kv: KVQuant | None = None,
     ) -> None:
         self.target, self.max_verify, self.costs = target, max_verify, costs
+        self.kv = kv  # the attention KV quantization of every row it runs
         self.rows: list[Row] = []  # running, in the order of the cache's rows
         self.cache: BatchCache | None = None
         self.prefilling: dict[Row, Generator[Commit, None, Cycle]] = {}  # alone, chunk by chunk
@@ -80,9 +83,11 @@ class BatchDecoder:
         self.prefilled_together = 0  # prompts prefilled in a shared forward
 
     def supports(self, row: Row) -> bool:
-        """Whether a request can run as a row (same model and taps, plain KV / GDN caches)."""
+        """Whether a request can run as a row (same model, taps and KV quantization, KV / GDN
+        caches)."""
         same_taps = row.draft is None or row.target.tap_ids == self.target.tap_ids
-        return row.target.model is self.target.model and same_taps and batchable(row.cache)
+        same = row.target.model is self.target.model and same_taps and row.kv == self.kv
+        return same and batchable(row.cache)
 
     @property
     def busy(self) -> bool:
@@ -105,7 +110,8 @@ class BatchDecoder:
             return
         row.begin(prompt, max_tokens, eos_ids)
         short = len(row.prompt) <= row.prefill_step_size and row.images is None
-        if short and row.prefix_hit() is None:
+        # A quantized row prefills alone: mlx-lm's chunks, so its KV switches where it would.
+        if short and row.prefix_hit() is None and row.kv is None:
             self.waiting.append(row)  # one chunk, cold, text: prefilled with other short ones
         else:
             self.prefilling[row] = row.prefill_steps()
@@ -123,7 +129,7 @@ class BatchDecoder:
     def _enter(self, row: Row) -> None:
         with mx.stream(generation_stream):
             if self.cache is None:
-                self.cache = BatchCache([type(c) for c in row.cache])
+                self.cache = BatchCache([type(c) for c in row.cache], self.kv)
             self.cache.add_row(row.cache)
         row.cache = []  # the batch holds it now
         self.rows.append(row)
@@ -273,6 +279,7 @@ class BatchDecoder:
                 tokens = row.last if proposal is None else mx.concatenate([row.last, proposal])
                 padding = width - tokens.shape[0]  # right padding: computed, never kept
                 inputs.append(mx.concatenate([tokens, mx.zeros((padding,), mx.int32)]))
+            self.cache.quantize_due()
             self.cache.layout.reserve(width)
             recording = self.target.hooks.recording() if width > 1 else contextlib.nullcontext()
             shifts = [row.shift for row in rows]  # each row's own (images), on its own row

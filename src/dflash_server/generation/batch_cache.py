@@ -14,6 +14,11 @@ recorded verify each row's state is the one after its own kept prefix (``rollbac
 Rows join after their prefill (their caches are moved in) and leave when they finish. A pass
 writes its columns in place; the buffers are copied only when they grow (``step`` columns at a
 time), when a row joins or leaves, and when holes are squeezed out.
+
+With ``--kv-bits`` the attention buffers are mx.quantize's (data, scales, biases), written in
+place like mlx-lm's ``QuantizedKVCache`` (``QuantizedRaggedKVCache``): the whole batch switches
+when its longest row reaches the start (``BatchCache.quantize_due``), and a full-precision row
+joining a quantized batch is quantized on the way in.
 """
 
 from __future__ import annotations
@@ -22,14 +27,34 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
+from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.models.recurrence import BlockStates
+
+ATTENTION = (KVCache, QuantizedKVCache)
+# An attention buffer: one array, or mx.quantize's (data, scales, biases) for a quantized layer.
+Buffer = Any
 
 
 def batchable(cache: list[Any]) -> bool:
-    """Whether a request's (prefilled) cache can join a batch: plain KV and Gated DeltaNet."""
-    return all(type(c) in (KVCache, ArraysCache) for c in cache)
+    """Whether a request's (prefilled) cache can join a batch: KV (quantized or not) and Gated
+    DeltaNet."""
+    return all(type(c) in (*ATTENTION, ArraysCache) for c in cache)
+
+
+def _map(buf: Buffer, f: Any) -> Buffer:
+    # (mlx-lm's QuantizedKVCache holds mx.quantize's parts as a list: read as a tuple)
+    return tuple(f(a) for a in buf) if isinstance(buf, tuple | list) else f(buf)
+
+
+def _parts(buf: Buffer) -> list[mx.array]:
+    return list(buf) if isinstance(buf, tuple | list) else [buf]
+
+
+def _cols(a: mx.array, n: int) -> mx.array:
+    """``n`` zero columns shaped like ``a``'s (zeros stay finite once dequantized)."""
+    return mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype)
 
 
 class RowLayout:
@@ -83,34 +108,47 @@ class RaggedKVCache:
 
     def __init__(self, layout: RowLayout) -> None:
         self.layout = layout
-        self.keys: Any = None  # mx.array once a row joined
-        self.values: Any = None
+        self.keys: Buffer = None  # set once a row joined
+        self.values: Buffer = None
 
     @property
     def offset(self) -> mx.array:
         return self.layout.offset
 
+    def _encode(self, x: mx.array) -> Buffer:
+        return x
+
     def _fit(self) -> None:
         """Grow the buffers to the layout's capacity (new columns are never valid)."""
-        have = 0 if self.keys is None else self.keys.shape[2]
-        if self.keys is not None and have < self.layout.capacity:
-            pad = [*self.keys.shape[:2], self.layout.capacity - have, self.keys.shape[3]]
-            self.keys = mx.concatenate([self.keys, mx.zeros(pad, self.keys.dtype)], axis=2)
-            pad[3] = self.values.shape[3]
-            self.values = mx.concatenate([self.values, mx.zeros(pad, self.values.dtype)], axis=2)
+        if self.keys is None:
+            return
+        grow = self.layout.capacity - _parts(self.keys)[0].shape[2]
+        if grow > 0:
+            self.keys, self.values = (
+                _map(buf, lambda a: mx.concatenate([a, _cols(a, grow)], axis=2))
+                for buf in (self.keys, self.values)
+            )
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
+        keys, values = self._encode(keys), self._encode(values)
         if self.keys is None:  # rows that hold no tokens yet (a batched prefill's)
-            shape = (*keys.shape[:2], self.layout.capacity)
-            self.keys = mx.zeros((*shape, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((*shape, values.shape[3]), values.dtype)
+            self.keys, self.values = (
+                _map(x, lambda a: _cols(a, self.layout.capacity)) for x in (keys, values)
+            )
         self._fit()
-        start, n = self.layout.idx, keys.shape[2]
-        self.keys[..., start : start + n, :] = keys
-        self.values[..., start : start + n, :] = values
-        return self.keys[..., : start + n, :], self.values[..., : start + n, :]
+        start, n = self.layout.idx, _parts(keys)[0].shape[2]
+        for buf, new in ((self.keys, keys), (self.values, values)):
+            for into, x in zip(_parts(buf), _parts(new)):
+                into[..., start : start + n, :] = x
+        return self._upto(start + n)
+
+    def _upto(self, end: int) -> tuple[Buffer, Buffer]:
+        keys, values = (_map(b, lambda a: a[..., :end, :]) for b in (self.keys, self.values))
+        return keys, values
 
     def make_mask(self, n: int, return_array: bool = False, **_: Any) -> mx.array:
+        # [rows, 1, n, T]; mlx-lm's quantized attention adds the repeats axis itself
+        # (mask.ndim > 3 -> [rows, 1, 1, n, T]).
         return self.layout.make_mask(n)
 
     def is_trimmable(self) -> bool:
@@ -118,23 +156,47 @@ class RaggedKVCache:
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [] if self.keys is None else _parts(self.keys) + _parts(self.values)
+
+
+class QuantizedRaggedKVCache(RaggedKVCache):
+    """The same, quantized: new keys and values are quantized as they are written (mlx-lm's
+    ``QuantizedKVCache.update_and_fetch``); ``bits`` and ``group_size`` make mlx-lm's
+    ``scaled_dot_product_attention`` take its quantized path."""
+
+    def __init__(self, layout: RowLayout, bits: int, group_size: int) -> None:
+        super().__init__(layout)
+        self.bits, self.group_size = bits, group_size
+
+    def _encode(self, x: mx.array) -> Buffer:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    @classmethod
+    def of(cls, plain: RaggedKVCache, kv: KVQuant) -> QuantizedRaggedKVCache:
+        """A full-precision layer's buffers, quantized (each token's groups on their own, so
+        the same as if every token had been quantized when written)."""
+        out = cls(plain.layout, kv.bits, kv.group_size)
+        if plain.keys is not None:
+            out.keys, out.values = out._encode(plain.keys), out._encode(plain.values)
+        return out
 
 
 class BatchCache:
     """The target cache of a batch: a ``RaggedKVCache`` per attention layer and a batched
-    ``ArraysCache`` per Gated DeltaNet layer, in layer order (what the model is called with)."""
+    ``ArraysCache`` per Gated DeltaNet layer, in layer order (what the model is called with).
+    ``kv``: the quantization the batch switches to (``quantize_due``)."""
 
-    def __init__(self, kinds: list[type]) -> None:
+    def __init__(self, kinds: list[type], kv: KVQuant | None = None) -> None:
         self.layout = RowLayout()
+        self.kv, self.quantized = kv, False
         self.layers: list[Any] = [
-            RaggedKVCache(self.layout) if kind is KVCache else ArraysCache(2) for kind in kinds
+            RaggedKVCache(self.layout) if kind in ATTENTION else ArraysCache(2) for kind in kinds
         ]
         self.linear = [c for c in self.layers if isinstance(c, ArraysCache)]
 
     @classmethod
     def empty(cls, kinds: list[type], rows: int) -> BatchCache:
-        """``rows`` rows holding no tokens yet (a batched prefill's)."""
+        """``rows`` rows holding no tokens yet (a batched prefill's, full precision)."""
         cache = cls(kinds)
         lay = cache.layout
         lay.rows, lay.lengths = rows, [0] * rows
@@ -148,16 +210,37 @@ class BatchCache:
 
     def state(self) -> list[mx.array]:
         out = [self.layout.valid, self.layout.offset]
-        for c in self.layers:
+        for c in self.layers:  # (a KV layer's state: its arrays, quantized parts included)
             out += (
                 c.state if isinstance(c, RaggedKVCache) else [x for x in c.cache if x is not None]
             )
         return out
 
+    def quantize_due(self) -> None:
+        """Before a pass: the batch's KV becomes quantized once its longest row holds the
+        start (all rows switch together: one buffer per layer)."""
+        if (
+            self.kv is not None
+            and not self.quantized
+            and max(self.layout.lengths, default=0) >= (self.kv.start)
+        ):
+            self._quantize()
+
+    def _quantize(self) -> None:
+        assert self.kv is not None
+        kv = self.kv
+        self.layers = [
+            QuantizedRaggedKVCache.of(c, kv) if isinstance(c, RaggedKVCache) else c
+            for c in self.layers
+        ]
+        self.quantized = True
+
     def add_row(self, cache: list[Any]) -> None:
         """Move a prefilled request's cache in as the last row (its KV ends at column idx)."""
         lay = self.layout
-        length = next((c.offset for c in cache if isinstance(c, KVCache)), 0)
+        length = next((c.offset for c in cache if isinstance(c, ATTENTION)), 0)
+        if any(isinstance(c, QuantizedKVCache) for c in cache) and not self.quantized:
+            self._quantize()  # the row switched already: so does the batch
         if lay.idx < length:  # room on the left for the new row's prompt
             self._shift(length - lay.idx)
         lay.reserve(0)
@@ -166,9 +249,10 @@ class BatchCache:
         for mine, theirs in zip(self.layers, cache):
             if isinstance(mine, RaggedKVCache):
                 mine._fit()
+                own_keys, own_values = _own_kv(mine, theirs, length)
                 mine.keys, mine.values = (
-                    _append_row(mine_buf, own[..., :length, :], lay.idx, lay.capacity)
-                    for mine_buf, own in ((mine.keys, theirs.keys), (mine.values, theirs.values))
+                    _append_row(mine_buf, own, lay.idx, lay.capacity)
+                    for mine_buf, own in ((mine.keys, own_keys), (mine.values, own_values))
                 )
             elif lay.rows:
                 mine.cache = [mx.concatenate([a, x]) for a, x in zip(mine.cache, theirs.cache)]
@@ -186,14 +270,15 @@ class BatchCache:
         lay.lengths.pop(row)
         if lay.rows == 0:  # an empty batch starts afresh
             fresh = BatchCache([ArraysCache if isinstance(c, ArraysCache) else KVCache
-                                for c in self.layers])  # fmt: skip
+                                for c in self.layers], self.kv)  # fmt: skip
             self.layout, self.layers, self.linear = fresh.layout, fresh.layers, fresh.linear
+            self.quantized = False
             return
         lay.valid, lay.offset = lay.valid[keep], lay.offset[keep]
         for c in self.layers:
             if isinstance(c, RaggedKVCache):
                 if c.keys is not None:
-                    c.keys, c.values = c.keys[keep], c.values[keep]
+                    c.keys, c.values = (_map(b, lambda a: a[keep]) for b in (c.keys, c.values))
             else:
                 c.cache = [None if x is None else x[keep] for x in c.cache]
         if lay.hole_share() > 0.5:
@@ -207,10 +292,10 @@ class BatchCache:
         lay.idx += n
         for c in self.layers:
             if isinstance(c, RaggedKVCache) and c.keys is not None:
-                pad = [*c.keys.shape[:2], n, c.keys.shape[3]]
-                c.keys = mx.concatenate([mx.zeros(pad, c.keys.dtype), c.keys], axis=2)
-                pad[3] = c.values.shape[3]
-                c.values = mx.concatenate([mx.zeros(pad, c.values.dtype), c.values], axis=2)
+                c.keys, c.values = (
+                    _map(b, lambda a: mx.concatenate([_cols(a, n), a], axis=2))
+                    for b in (c.keys, c.values)
+                )
 
     def compact(self) -> None:
         """Squeeze the holes out: each row's valid columns, in order, right-aligned at the new
@@ -225,21 +310,36 @@ class BatchCache:
         gather = mx.array(index)[:, None, :, None]
         for c in self.layers:
             if isinstance(c, RaggedKVCache) and c.keys is not None:
-                c.keys = mx.take_along_axis(c.keys, gather, axis=2)
-                c.values = mx.take_along_axis(c.values, gather, axis=2)
+                c.keys, c.values = (
+                    _map(b, lambda a: mx.take_along_axis(a, gather, axis=2))
+                    for b in (c.keys, c.values)
+                )
         starts = mx.array([longest - n for n in lay.lengths])[:, None]
         lay.valid = mx.arange(longest)[None] >= starts
         lay.idx = lay.capacity = longest
         mx.eval(self.state())
 
 
-def _append_row(batch: mx.array | None, own: mx.array, end: int, capacity: int) -> mx.array:
-    """``own`` ([1, heads, n, dim]) placed to end at column ``end`` of a new last row."""
-    n = own.shape[2]
-    left = mx.zeros((1, own.shape[1], end - n, own.shape[3]), own.dtype)
-    right = mx.zeros((1, own.shape[1], capacity - end, own.shape[3]), own.dtype)
-    row = mx.concatenate([left, own, right], axis=2)
-    return row if batch is None or batch.shape[0] == 0 else mx.concatenate([batch, row])
+def _own_kv(mine: RaggedKVCache, theirs: Any, length: int) -> tuple[Buffer, Buffer]:
+    """A joining row's first ``length`` keys and values, in the batch layer's form (a
+    full-precision row joining a quantized batch is quantized on the way in)."""
+    keys, values = (_map(b, lambda a: a[..., :length, :]) for b in (theirs.keys, theirs.values))
+    if isinstance(mine, QuantizedRaggedKVCache) and not isinstance(theirs, QuantizedKVCache):
+        keys, values = mine._encode(keys), mine._encode(values)
+    return keys, values
+
+
+def _append_row(batch: Buffer, own: Buffer, end: int, capacity: int) -> Buffer:
+    """``own`` ([1, heads, n, dim], or its quantized parts) placed to end at column ``end`` of
+    a new last row."""
+    if batch is None:
+        batch = _map(own, lambda a: a[:0])
+    rows = []
+    for b, a in zip(_parts(batch), _parts(own)):
+        n = a.shape[2]
+        row = mx.concatenate([_cols(a, end - n), a, _cols(a, capacity - end)], axis=2)
+        rows.append(row if b.shape[0] == 0 else mx.concatenate([b, row]))
+    return tuple(rows) if isinstance(own, tuple | list) else rows[0]
 
 
 def states_at_rows(states: BlockStates | list[mx.array], keep: mx.array) -> mx.array:

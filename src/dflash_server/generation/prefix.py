@@ -12,29 +12,67 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 if TYPE_CHECKING:
     from dflash_server.models.context import DraftContext
 
 KV = tuple[mx.array, mx.array]  # keys, values: [B, heads, tokens, head_dim]
+Quantized = tuple[mx.array, mx.array, mx.array]  # mx.quantize's (data, scales, biases)
+
+
+@dataclass(frozen=True)
+class QuantKV:
+    """A quantized attention layer's keys and values (``QuantizedKVCache``), kept as they are:
+    restoring gives back exactly the state that was taken."""
+
+    keys: Quantized
+    values: Quantized
+    bits: int
+    group_size: int
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.keys, *self.values]
+
+    def load(self, length: int) -> QuantizedKVCache:
+        """A fresh cache holding the first ``length`` tokens (fresh slices, as ``_load_kv``)."""
+        cache: Any = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        cut = [a[..., :length, :] for a in self.arrays()]
+        cache.keys, cache.values = (cut[0], cut[1], cut[2]), (cut[3], cut[4], cut[5])
+        cache.offset = length
+        return cache
+
+
+LayerKV = KV | QuantKV
 
 
 def supported(cache: list[Any]) -> bool:
     """Whether every layer cache is one a snapshot knows how to take and restore."""
-    return all(type(c) in (KVCache, ArraysCache) for c in cache)
+    return all(type(c) in (KVCache, QuantizedKVCache, ArraysCache) for c in cache)
 
 
-def _kv(cache: KVCache, length: int) -> KV:
+def layer_arrays(pair: LayerKV) -> list[mx.array]:
+    return pair.arrays() if isinstance(pair, QuantKV) else list(pair)
+
+
+def _kv(cache: KVCache | QuantizedKVCache, length: int) -> LayerKV:
     # Own copies: the live buffer keeps being written in place as decoding goes on.
-    return (
-        mx.contiguous(cache.keys[..., :length, :]),
-        mx.contiguous(cache.values[..., :length, :]),
-    )
+    def cut(a: mx.array) -> mx.array:
+        return mx.contiguous(a[..., :length, :])
+
+    if isinstance(cache, QuantizedKVCache):
+        keys, values = cast("tuple[Quantized, Quantized]", (cache.keys, cache.values))
+        return QuantKV(
+            (cut(keys[0]), cut(keys[1]), cut(keys[2])),
+            (cut(values[0]), cut(values[1]), cut(values[2])),
+            cache.bits,
+            cache.group_size,
+        )
+    return cut(cache.keys), cut(cache.values)
 
 
 @dataclass
@@ -66,7 +104,7 @@ class PromptSnapshot:
     ``checkpoints`` (position -> what else restoring there needs)."""
 
     tokens: tuple[int, ...]
-    kv: list[KV | None]  # per target layer; None for recurrent layers
+    kv: list[LayerKV | None]  # per target layer; None for recurrent layers
     # Per drafter layer its live context K/V, ending at len(tokens); None without a drafter.
     draft_kv: list[KV] | None
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
@@ -80,12 +118,12 @@ class PromptSnapshot:
         checkpoints: dict[int, Checkpoint],
     ) -> PromptSnapshot:
         n = len(tokens)
-        kv = [_kv(c, n) if isinstance(c, KVCache) else None for c in cache]
+        kv = [_kv(c, n) if isinstance(c, KVCache | QuantizedKVCache) else None for c in cache]
         draft_kv = None if draft_cache is None else [_live(c) for c in draft_cache]
         return cls(tuple(tokens), kv, draft_kv, dict(checkpoints))
 
     def arrays(self) -> list[mx.array]:
-        out = [a for pair in self.kv if pair is not None for a in pair]
+        out = [a for pair in self.kv if pair is not None for a in layer_arrays(pair)]
         out += [a for pair in self.draft_kv or [] for a in pair]
         return out + [a for c in self.checkpoints.values() for a in c.arrays()]
 
@@ -107,12 +145,15 @@ class PromptSnapshot:
     def restore(
         self, length: int, cache: list[Any], draft_cache: Sequence[DraftContext] | None
     ) -> None:
-        """Load the state after ``length`` tokens into fresh caches."""
+        """Load the state after ``length`` tokens into fresh caches (a quantized layer's cache
+        is replaced in the list by the ``QuantizedKVCache`` it was taken from)."""
         checkpoint = self.checkpoints.get(length)
         recurrent = iter(checkpoint.recurrent if checkpoint is not None else [])
-        for c, pair in zip(cache, self.kv):
+        for i, (c, pair) in enumerate(zip(cache, self.kv)):
             if pair is None:
                 c.cache = list(next(recurrent))
+            elif isinstance(pair, QuantKV):
+                cache[i] = pair.load(length)
             else:
                 _load_kv(c, pair, length)
         if draft_cache is None:

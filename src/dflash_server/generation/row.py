@@ -31,6 +31,7 @@ from mlx_lm.generate import generation_stream
 from dflash_server.generation.cycle import FLUSH, PREFILL_CHUNK, Commit, Cycle, terminate
 from dflash_server.generation.draft_context import feed_prompt, prompt_reads
 from dflash_server.generation.images import PromptImages
+from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.policy import DRAFTER, PLAIN, SUFFIX, Choice, FixedBlock, WidthPolicy
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
 from dflash_server.generation.protocols import Drafter, DraftRow, PrefixStore, TokenConstraint
@@ -51,7 +52,8 @@ class Row:
     ``suffix`` proposes copies from the context (it needs an adaptive policy, which may then run
     without a drafter). ``prefix`` is the prefix cache, ``checkpoints`` the prompt positions
     where it keeps the recurrent state; ``profile`` times each phase (``stats.timings``);
-    ``images``: the prompt's images (their features, positions and prefix-cache key).
+    ``images``: the prompt's images (their features, positions and prefix-cache key);
+    ``kv``: quantized attention KV (``kv_quant.py``), None for full precision.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Row:
         checkpoints: tuple[int, ...] = (),
         suffix: SuffixProposer | None = None,
         images: PromptImages | None = None,
+        kv: KVQuant | None = None,
     ):
         self.target, self.draft, self.sampler = target, draft, sampler
         self.suffix = suffix if policy.adaptive else None
@@ -80,7 +83,10 @@ class Row:
         # Prefix caching needs caches a snapshot can hold (KV and Gated DeltaNet).
         self.prefix = prefix if prefix is not None and supported(self.cache) else None
         self.checkpoints = frozenset(checkpoints)
-        self._prefix_kind = (target.tap_ids,) if draft is not None else ()
+        self.kv = kv
+        self._prefix_kind = ((target.tap_ids,) if draft is not None else ()) + (
+            (kv.key(),) if kv is not None else ()
+        )
         self.stats = SpeculativeStats(
             self.policy.block_size,
             adaptive=self.policy.adaptive,
@@ -170,6 +176,7 @@ class Row:
                 chunk = tokens[:, begin:end]
                 inputs = self.images.inputs(chunk, begin, end, self.target) if self.images else {}
                 logits, taps = self.target.forward(chunk, self.cache, rows, **inputs)
+                self.quantize_kv()
                 if self.draft is not None:
                     feed_prompt(self.draft, _ctx(self.draft_cache), _tapped(taps), tokens[0],
                                 (begin, end), reads)  # fmt: skip
@@ -219,6 +226,12 @@ class Row:
         n = len(self.prompt)
         return {p for p in self.checkpoints | {n - 1} if 0 < p < n}
 
+    def quantize_kv(self) -> None:
+        """After a forward (and its rollback): mlx-lm's rule, attention layers holding
+        ``kv.start`` tokens or more become quantized (in place in ``cache``)."""
+        if self.kv is not None:
+            self.kv.quantize(self.cache)
+
     def draft_state(self) -> list[Any]:
         """The drafter context's arrays (to evaluate with the target's)."""
         return [c.state for c in self.draft_cache] if self.draft_cache is not None else []
@@ -240,6 +253,8 @@ class Row:
         cold run did after the restored prefix."""
         step = max(1, self.prefill_step_size)
         cuts = set(range(step, end, step)) | {end} | self.checkpoint_positions()
+        if self.kv is not None and end > 1:  # mlx-lm feeds the last prompt token on its own
+            cuts.add(end - 1)
         ends = sorted(c for c in cuts if c > start)
         return list(zip([start, *ends[:-1]], ends))
 

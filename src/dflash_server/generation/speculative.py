@@ -106,6 +106,7 @@ class SpeculativeDecoder:
             elif choice.source == SUFFIX:  # a copy: known on the host, no drafter pass
                 drafts = mx.array(choice.tokens, dtype=mx.int32)
             self._apply_rollback()
+            row.quantize_kv()
             tokens = (
                 anchor if drafts is None else mx.concatenate([anchor, drafts.astype(anchor.dtype)])
             )

@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from dflash_server.generation.controller import BlockController
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit
 from dflash_server.generation.images import PromptImages
+from dflash_server.generation.kv_quant import QUANTIZED_KV_START, KVQuant
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.policy import SUFFIX, FixedBlock, WidthPolicy
 from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
@@ -84,6 +85,7 @@ class Generation:
         prefill_step_size: int = 2048,
         profile: bool = False,
         prefix: PrefixStore | None = None,
+        kv: KVQuant | None = None,
     ) -> None:
         draft = pair.draft if request.speculative else None
         block = request.block
@@ -115,6 +117,7 @@ class Generation:
             checkpoints=request.checkpoints,
             suffix=suffix,
             images=images,
+            kv=kv,
         )
         self.request = request
         self.prompt = list(request.prompt)
@@ -172,12 +175,13 @@ def generate(
     profile: bool = False,
     prefix: PrefixStore | None = None,
     yield_chunks: bool = False,
+    kv: KVQuant | None = None,
 ) -> Iterator[GenerationResponse]:
     """Run one request alone on a loaded pair (its drafter is ignored when not speculative);
     see ``Generation``. ``yield_chunks``: yield an empty response after each prompt chunk but
-    the last (a scheduler runs others in between)."""
+    the last (a scheduler runs others in between); ``kv``: quantized attention KV."""
     run = Generation(pair, request, prefill_step_size=prefill_step_size, profile=profile,
-                     prefix=prefix)  # fmt: skip
+                     prefix=prefix, kv=kv)  # fmt: skip
     commits = SpeculativeDecoder(run.row).generate(
         run.prompt, request.max_tokens, run.eos_ids, yield_chunks
     )
@@ -216,6 +220,9 @@ def stream_generate(
     suffix: int = 0,
     images: Sequence[Any] = (),
     vision: VisionTower | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = QUANTIZED_KV_START,
 ) -> Iterator[GenerationResponse]:
     """Generate with DFlash speculative decoding (``draft=None``: plain decoding).
 
@@ -230,8 +237,11 @@ def stream_generate(
     from the prompt, the output so far and the pair's recent outputs (suffix drafts).
     ``images`` (PIL images, file paths or encoded bytes) need the checkpoint's ``vision``
     (``load_vision``); the prompt holds one ``<|image_pad|>`` per image, as the chat template
-    renders an image part.
+    renders an image part. ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start`` quantize
+    the target's attention KV as mlx-lm's ``generate_step`` does
+    (docs/design.md, "Quantized KV cache").
     """
+    kv = KVQuant.of(kv_bits, kv_group_size, quantized_kv_start)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     sampling = SamplingParams(
@@ -240,6 +250,8 @@ def stream_generate(
         frequency_penalty=frequency_penalty, logit_bias=logit_bias,
     )  # fmt: skip
     pair = ModelPair.of(model, tokenizer, draft, vision)
+    if kv is not None:
+        kv.check_model(model)
     ids = encode(tokenizer, prompt)
     inputs: tuple[ImageInput, ...] = ()
     if images:
@@ -262,4 +274,6 @@ def stream_generate(
         images=inputs,
     )
     with pair.wired.held():
-        yield from generate(pair, request, prefill_step_size=prefill_step_size, profile=profile)
+        yield from generate(
+            pair, request, prefill_step_size=prefill_step_size, profile=profile, kv=kv
+        )

@@ -105,6 +105,7 @@ def run_clients(
         prefill_step_size=settings.prefill_step_size,
         batching=settings.batching,
         max_verify=settings.max_verify,
+        kv=settings.kv_quant,
         on_pass=lambda rows, verified: rows_seen.append(rows),
     )
     engine.start()
