@@ -47,7 +47,7 @@ _UNITS |= {f"{u}b": 1000 ** (i + 1) for i, u in enumerate("kmgt")}
 def parse_size(value: object) -> int | None:
     """``--max-kv-memory``: bytes, or a size (``8GB`` = 8 x 10^9, ``8GiB`` and ``8G`` = 8 x 2^30,
     ``512MiB``); 0, ``none`` or ``off``: no budget; None or ``auto``: the default."""
-    if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return value
     text = str(value).strip().lower().replace(" ", "")
     if text in ("", "auto"):
