@@ -222,6 +222,12 @@ class Settings(BaseSettings, _SamplingDefaults):
     context_length: int | None = Field(
         None, gt=0, description="cap on prompt + output tokens (default: the model's)"
     )
+    max_kv_memory: str | int | None = Field(
+        None,
+        description="memory the running requests' caches may reserve (8GB, 512MiB, bytes): a "
+        "request waits until its own fits, 503 if it never could (default: 3/4 of what the "
+        "weights and the prefix cache leave; 0 or 'none': no budget)",
+    )
     prefill_step_size: int = Field(
         512,
         gt=0,
@@ -319,6 +325,13 @@ class Settings(BaseSettings, _SamplingDefaults):
             raise ValueError(f"must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {value}")
         return value
 
+    @field_validator("max_kv_memory", mode="before")
+    @classmethod
+    def _parse_kv_memory(cls, value: Any) -> int | None:
+        from dflash_server.engine.kv_budget import parse_size
+
+        return parse_size(value)
+
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
         if self.target is None and self.draft is not None:
@@ -389,6 +402,12 @@ class Settings(BaseSettings, _SamplingDefaults):
         if self.calibration_cache is None:
             return default_folder()
         return Path(self.calibration_cache).expanduser()
+
+    @property
+    def kv_memory_bytes(self) -> int | None:
+        """The KV budget in bytes (0: none; None: the default, decided once models are loaded)."""
+        value = self.max_kv_memory
+        return value if not isinstance(value, str) else None  # parsed by the validator
 
     @property
     def prefix_cache_budget(self) -> int:

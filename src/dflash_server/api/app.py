@@ -134,6 +134,7 @@ def build_engine(
         prefix_cache=prefix_cache,
         on_pass=metrics.observe_pass if metrics is not None else None,
         lockstep=leader,
+        max_kv_memory=settings.kv_memory_bytes,
     )
     return engine
 

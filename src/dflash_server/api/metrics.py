@@ -5,8 +5,8 @@ request: the client's ``x-request-id`` when it is a plain token, else a new one)
 metrics come from the jobs themselves: ``MeteredJob`` records its events as the engine's worker
 emits them (time to first token, per-token latency, tokens, tau and acceptance, cycles and
 tokens by source, outcome), and the engine reports each batched pass (``Metrics.observe_pass``,
-given to it at construction); queue depth, active requests and the prefix cache's counters are
-read from the engine at each scrape. Each app has its own registry, so several servers in one
+given to it at construction); queue depth, active requests, the KV memory reserved and the
+prefix cache's counters are read from the engine at each scrape. Each app has its own registry, so several servers in one
 process (tests) do not share counters.
 """
 
@@ -246,6 +246,15 @@ class _EngineGauges(Collector):
             "dflash_queue_depth", "requests waiting for an active slot", waiting
         )
         yield GaugeMetricFamily("dflash_active_requests", "requests generating now", engine.active)
+        if (kv := engine.kv_memory) is not None:  # the KV budget (docs/operations.md)
+            yield GaugeMetricFamily(
+                "dflash_kv_memory_bytes",
+                "KV cache memory the running requests reserve",
+                kv["in_use_bytes"],
+            )
+            yield GaugeMetricFamily(
+                "dflash_kv_memory_budget_bytes", "the KV memory budget", kv["budget_bytes"]
+            )
         if ranks := engine.rank_memory:  # the target sharded over several machines
             memory = GaugeMetricFamily(
                 "dflash_rank_memory_bytes",

@@ -111,13 +111,17 @@ def _request(
     **extra: Any,
 ) -> GenerationRequest:
     """The generation request: the request's values over the server's defaults, fitted into
-    the context window."""
+    the context window and the KV budget."""
     assert engine.models is not None
     ctx = engine.models.summary.context_length
     room = ctx - len(prompt.tokens)
     if room <= 0:
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         raise ContextLengthError(len(prompt.tokens), ctx, param)
+    # The KV budget bounds one request's output like the context does; a prompt that does not
+    # fit it at all is refused at submission (503, docs/operations.md "KV memory budget").
+    if engine.ledger is not None and (fits := engine.ledger.room(len(prompt.tokens))) > 0:
+        room = min(room, fits)
     sampling = {name: getattr(req, name) for name in SERVED_FIELDS}
     defaults = {name: getattr(settings, name) for name in SERVED_FIELDS}
     # Default: as many tokens as fit, so long answers are not cut off at an arbitrary cap.

@@ -41,6 +41,7 @@ from dflash_server.api.types import (
     extensions,
 )
 from dflash_server.engine.jobs import EngineNotReady, Job, QueueFull
+from dflash_server.engine.kv_budget import KVBudgetExceeded
 from dflash_server.engine.worker import Engine
 from dflash_server.generation.sampling import SERVED_FIELDS
 from dflash_server.settings import Settings
@@ -63,6 +64,9 @@ def _submit(engine: Engine, metrics: MetricsDep, prepared: Prepared, endpoint: s
         ) from exc
     except EngineNotReady as exc:
         raise APIError(503, str(exc), code="model_not_ready", headers={"Retry-After": "5"}) from exc
+    except KVBudgetExceeded as exc:  # before any stream starts: the client sees the status
+        retry = {"Retry-After": str(exc.retry_after)}
+        raise APIError(503, str(exc), code="kv_memory_exceeded", headers=retry) from exc
     return job
 
 
@@ -216,6 +220,7 @@ async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
         "active_rows": engine.active_rows,
         "max_queue": engine.max_queue,
         "prefix_cache": engine.prefix_cache.stats() if engine.prefix_cache else None,
+        "kv_memory": engine.kv_memory,
         "defaults": request_defaults(settings),
     }
     if engine.error:

@@ -13,7 +13,9 @@ import mlx.core as mx
 
 from dflash_server.engine.calibration import CalibrationCache
 from dflash_server.engine.distributed import AgreedCalibration
+from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.costs import CostModel
+from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.models.hooks import HookError
@@ -109,6 +111,7 @@ class ModelSummary:
     draft_window: int | None = None
     cycle_costs: str | None = None  # the measured cost curve, described
     suffix_drafts: bool = False  # copies from the context may be verified
+    suffix_tokens: int = 0  # the widest copy (its verify writes one position more)
     mtp_available: bool = False  # no drafter, but the target checkpoint carries an MTP head
     vision: bool = False  # prompts may hold images (the checkpoint's vision tower is loaded)
     vision_note: str = "text only"  # what the startup log says about images
@@ -236,6 +239,7 @@ def load_models(
         context_length=min(context_length, model_ctx) if context_length else model_ctx,
         fingerprint=_fingerprint(target_path, draft_path, group),
         suffix_drafts=bool(suffix_tokens),
+        suffix_tokens=suffix_tokens,
         mtp_available=drafter is None and has_mtp(target_path),
         vision=tower is not None,
         vision_note=_vision_note(tower, target_cfg, vision),
@@ -334,3 +338,21 @@ def describe(summary: ModelSummary) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def make_batch(
+    models: LoadedModels, max_verify: int | None, kv: KVQuant | None = None
+) -> BatchDecoder:
+    """The batch of the loaded pair; with the cycle costs measured at load, its pass costs too
+    (from the calibration cache when this pair was measured on this machine before)."""
+    from dflash_server.generation.batch_budget import PassCosts, measure_pass_costs
+
+    pair = models.pair
+    costs = None
+    if pair.draft is not None and pair.measured is not None:
+        measure = partial(
+            measure_pass_costs, pair.target, pair.draft, growth=pair.measured, fixed=pair.lockstep
+        )
+        costs = models.calibration.fetch("batch", PassCosts, measure)
+        log.info("%s", costs.describe())
+    return BatchDecoder(pair.target, max_verify, costs, kv)

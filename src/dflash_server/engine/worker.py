@@ -4,7 +4,9 @@ Scheduling: requests wait in a bounded FIFO; up to ``max_active`` of them genera
 as a ``Row`` of the engine's rows: a ``BatchDecoder`` (``batching="batched"``: every running
 request advances in one target pass per round, short new prompts prefill together, a long one
 one chunk per round) or ``LoneRows`` (``"interleave"``: each request cycles alone, one cycle or
-prompt chunk per round). The engine owns the round: admit, drop cancelled requests, one
+prompt chunk per round). Admission is in order, while the KV budget holds the head's
+reservation (``kv_budget.py``; alone it always fits: one that never could was refused at
+``submit``). The engine owns the round: admit, drop cancelled requests, one
 ``step`` of the rows, then each commit becomes its request's text events. Outputs are those of
 a lone run either way, and a short request finishes while a long one is still running.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
@@ -27,7 +29,8 @@ import mlx.core as mx
 from dflash_server.chat.logprobs import TokenTexts
 from dflash_server.engine.distributed import RankLost
 from dflash_server.engine.jobs import EngineNotReady, Event, Failed, Job, QueueFull
-from dflash_server.engine.loader import LoadedModels, ModelLoadError
+from dflash_server.engine.kv_budget import KVBudgetExceeded, KVLedger, build_ledger, positions
+from dflash_server.engine.loader import LoadedModels, ModelLoadError, make_batch
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.runs import DONE, Run
 from dflash_server.generation.batch import BatchDecoder, Outcome
@@ -86,6 +89,7 @@ class Engine:
         on_pass: Callable[[int, int], None] | None = None,
         lockstep: Lockstep | None = None,
         kv: KVQuant | None = None,
+        max_kv_memory: int | None = None,
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
@@ -108,6 +112,8 @@ class Engine:
         self._auto_active = max_active is None
         self.max_active = 4 if max_active is None else max(1, max_active)
         self.prefill_step_size = prefill_step_size
+        self._max_kv_memory = max_kv_memory  # bytes; 0: no budget; None: the machine's default
+        self.ledger: KVLedger | None = None  # the KV budget's reservations, once loaded
         self.state = "loading"
         self.error: str | None = None
         self.models: LoadedModels | None = None
@@ -208,13 +214,27 @@ class Engine:
         """Requests running as rows of the batched pass (0 when interleaving)."""
         return len(self.batch.rows) if self.batch is not None else 0
 
+    @property
+    def kv_memory(self) -> dict[str, int] | None:
+        """The KV budget and what the running requests reserve of it (None: no budget)."""
+        with self._cond:
+            if self.ledger is None:
+                return None
+            return {"in_use_bytes": self.ledger.in_use, "budget_bytes": self.ledger.budget}
+
     def submit(self, job: Job) -> None:
-        """Queue a job, or raise EngineNotReady / QueueFull without queueing it."""
+        """Queue a job, or raise EngineNotReady / KVBudgetExceeded / QueueFull without
+        queueing it."""
         if self.state != "ready":
             raise EngineNotReady(self.error or "models are still loading")
         with self._cond:
             if self._stopping or self._draining:
                 raise EngineNotReady(SHUTDOWN)
+            if (
+                self.ledger is not None
+                and (need := self.ledger.alone(positions(job.request))) > self.ledger.budget
+            ):
+                raise KVBudgetExceeded(need, self.ledger.budget, max(1, round(self._mean_job_s)))
             waits = len(self._pending) + len(self._active)
             if waits >= self.max_active + self.max_queue:
                 rounds = waits / self.max_active
@@ -247,6 +267,11 @@ class Engine:
             supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
             self.max_active = max(4, supported)
             log.info("max_active: %d requests at once", self.max_active)
+        prefix = self.prefix_cache.budget if self.prefix_cache is not None else 0
+        padded = self.batching == "batched"
+        self.ledger = build_ledger(
+            self.models, self._max_kv_memory, prefix, padded=padded, kv=self.kv
+        )
         self.state = "ready"
         self._ready.set()
         if self._on_ready is not None:
@@ -284,12 +309,19 @@ class Engine:
                 return False
             admitted: list[Job] = []
             while self._pending and len(self._active) + len(admitted) < self.max_active:
+                head, busy = self._pending[0], bool(self._active or admitted)
+                if self.ledger is not None and not self.ledger.admit(
+                    head, positions(head.request), busy
+                ):
+                    break  # in order: the head waits for memory, and the ones behind it too
                 admitted.append(self._pending.popleft())
         for job in admitted:
             run = self._start(job)
-            if run is not None:
-                with self._cond:
+            with self._cond:
+                if run is not None:
                     self._active.append(run)
+                elif self.ledger is not None:
+                    self.ledger.release(job)
         for run in list(self._active):
             if self._stopping:
                 return False
@@ -369,6 +401,8 @@ class Engine:
         with self._cond:
             if run in self._active:
                 self._active.remove(run)
+            if self.ledger is not None:
+                self.ledger.release(run.job)
         try:
             if run.generation is not None:
                 self._by_row.pop(run.generation.row, None)
@@ -382,23 +416,3 @@ class Engine:
             log.exception("closing a generation failed")
         elapsed = time.monotonic() - (run.job.started or run.job.created)
         self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed
-
-
-def make_batch(
-    models: LoadedModels, max_verify: int | None, kv: KVQuant | None = None
-) -> BatchDecoder:
-    """The batch of the loaded pair; with the cycle costs measured at load, its pass costs too
-    (from the calibration cache when this pair was measured on this machine before)."""
-    from functools import partial
-
-    from dflash_server.generation.batch_budget import PassCosts, measure_pass_costs
-
-    pair = models.pair
-    costs = None
-    if pair.draft is not None and pair.measured is not None:
-        measure = partial(
-            measure_pass_costs, pair.target, pair.draft, growth=pair.measured, fixed=pair.lockstep
-        )
-        costs = models.calibration.fetch("batch", PassCosts, measure)
-        log.info("%s", costs.describe())
-    return BatchDecoder(pair.target, max_verify, costs, kv)
