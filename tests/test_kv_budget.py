@@ -110,6 +110,22 @@ def test_quantized_estimate_bounds_mlx_lm_quantized_cache() -> None:
         assert estimate < attention_bytes(g, tokens) / 2  # well under the float32 cache
 
 
+def test_ledger_counts_quantized_kv_from_its_start() -> None:
+    """With ``--kv-bits``: positions before ``--quantized-kv-start`` are full precision (counted
+    whole, the conversion holds both copies), the rest quantized; the estimate never falls as
+    a request grows, and a long request reserves far less than at full precision."""
+    from dflash_server.engine.kv_budget import KVLedger
+    from dflash_server.generation.kv_quant import KVQuant
+
+    g = KVGeometry(kv_elements=2 * 2 * 64, dtype_bytes=4, recurrent_bytes=1000)
+    full = KVLedger(g, 10**12, padded=False)
+    quant = KVLedger(g, 10**12, padded=False, kv=KVQuant(bits=4, group_size=64, start=512))
+    sizes = [quant.alone(n) for n in range(1, 4000, 37)]
+    assert sizes == sorted(sizes)
+    assert quant.alone(100) == full.alone(100)  # below the start: full precision
+    assert quant.alone(64_000) < full.alone(64_000) / 4
+
+
 def _record_rows(engine: Any, tokens: dict[int, list[int]], seen: list[tuple[int, int]]) -> None:
     """Record each row's committed tokens (by its prompt's first token), and at every step the
     rows running and the KV memory reserved."""
