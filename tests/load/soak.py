@@ -115,88 +115,93 @@ async def soak(minutes: float, out: Path, most: int, read_timeout: float, faults
     server = Server(args, free_port(), out / "server.log")
     report: dict[str, Any] = {"minutes": minutes, "faults": {}, "restarts_s": []}
     report["disk"] = f"tmpfs {TMPFS_MB} MB" if disk.tmpfs else f"plain folder ({disk.why_not})"
-    report["first_start_s"] = round(server.start(), 1)
-    refs = await solo_references(server.base)
-    traffic = Traffic(server.base, most=most)
-    samples: list[dict[str, float]] = []
-    t0 = time.monotonic()
-    duration = minutes * 60
+    try:
+        report["first_start_s"] = round(server.start(), 1)
+        refs = await solo_references(server.base)
+        traffic = Traffic(server.base, most=most)
+        samples: list[dict[str, float]] = []
+        t0 = time.monotonic()
+        duration = minutes * 60
 
-    async def sampler() -> None:
-        while not traffic._stop:
-            s = await memory_sample(server.base, server.starts, time.monotonic() - t0)
-            if s is not None:
-                samples.append(s)
-            await asyncio.sleep(SAMPLE_S)
+        async def sampler() -> None:
+            while not traffic._stop:
+                s = await memory_sample(server.base, server.starts, time.monotonic() - t0)
+                if s is not None:
+                    samples.append(s)
+                await asyncio.sleep(SAMPLE_S)
 
-    async def at(fraction: float) -> None:
-        await asyncio.sleep(max(0.0, t0 + fraction * duration - time.monotonic()))
+        async def at(fraction: float) -> None:
+            await asyncio.sleep(max(0.0, t0 + fraction * duration - time.monotonic()))
 
-    async def restart(how: str) -> None:
-        traffic.phase = how
-        if how == "graceful restart":
-            await traffic.quiesce()
-            server.stop(signal.SIGTERM)
-        else:
-            traffic.paused.set()  # kill -9: requests in flight just fail
-        report["restarts_s"].append(round(await asyncio.to_thread(server.start), 1))
-        traffic.paused.clear()
-        traffic.phase = "steady"
+        async def restart(how: str) -> None:
+            traffic.phase = how
+            if how == "graceful restart":
+                await traffic.quiesce()
+                server.stop(signal.SIGTERM)
+            else:
+                traffic.paused.set()  # kill -9: requests in flight just fail
+            report["restarts_s"].append(round(await asyncio.to_thread(server.start), 1))
+            traffic.paused.clear()
+            traffic.phase = "steady"
 
-    tasks = [asyncio.create_task(traffic.run()), asyncio.create_task(sampler())]
-    f = report["faults"]
-    filler = None
-    if faults:
-        await at(0.10)
-        loris = asyncio.create_task(slowloris(server.base, read_timeout))
-        await at(0.20)
-        traffic.phase = "500 connections"
-        f["500 connections"] = await many_connections(server.base, 500)
-        traffic.phase = "steady"
-        f["slowloris"] = await loris
-        await at(0.30)
-        traffic.phase = "kill -9"
-        f["kill -9 mid-write"] = await kill_during_write(server, disk.path)
-        await restart("kill -9")
-        log = server.log_since_start()
-        f["kill -9 mid-write"]["next_start"] = [ln for ln in log.splitlines() if "partial" in ln]
-        left = list((disk.path / ".partial").glob("*"))
-        f["kill -9 mid-write"]["partial_after_start"] = len(left)
-        if disk.tmpfs:
-            await at(0.45)
-            disk.remount("ro")
-            traffic.phase = "read-only folder"
-            f["read-only folder"] = await write_pressure(server, "read-only")
+        tasks = [asyncio.create_task(traffic.run()), asyncio.create_task(sampler())]
+        f = report["faults"]
+        if faults:
+            await at(0.10)
+            loris = asyncio.create_task(slowloris(server.base, read_timeout))
+            await at(0.20)
+            traffic.phase = "500 connections"
+            f["500 connections"] = await many_connections(server.base, 500)
+            traffic.phase = "steady"
+            f["slowloris"] = await loris
+            await at(0.30)
+            traffic.phase = "kill -9"
+            f["kill -9 mid-write"] = await kill_during_write(server, disk.path)
+            await restart("kill -9")
+            log = server.log_since_start()
+            f["kill -9 mid-write"]["next_start"] = [
+                ln for ln in log.splitlines() if "partial" in ln
+            ]
+            left = list((disk.path / ".partial").glob("*"))
+            f["kill -9 mid-write"]["partial_after_start"] = len(left)
+            if disk.tmpfs:
+                await at(0.45)
+                disk.remount("ro")
+                traffic.phase = "read-only folder"
+                f["read-only folder"] = await write_pressure(server, "read-only")
+                await at(0.55)
+                now = await memory_sample(server.base, server.starts, time.monotonic() - t0)
+                f["read-only folder"]["writable_gauge"] = now and now["disk_writable"]
+                f["read-only folder"]["warnings"] = server.log_since_start().count(
+                    "cannot write to"
+                )
+                disk.remount("rw")
             await at(0.55)
+            await restart("graceful restart")
+            f["graceful restart"] = {"took_s": report["restarts_s"][-1]}
+            if disk.tmpfs:
+                await at(0.70)
+                _, size = fill(disk.path)  # gone with the tmpfs
+                traffic.phase = "full folder"
+                f["full folder"] = {"filler_mb": round(size / MB, 2)}
+                f["full folder"] |= await write_pressure(server, "full")
+        await at(1.0)
+        traffic.stop()
+        await asyncio.gather(*tasks)
+        if "full folder" in f:
+            log = server.log_since_start()
+            f["full folder"]["warnings"] = log.count("cannot write to")
             now = await memory_sample(server.base, server.starts, time.monotonic() - t0)
-            f["read-only folder"]["writable_gauge"] = now and now["disk_writable"]
-            f["read-only folder"]["warnings"] = server.log_since_start().count("cannot write to")
-            disk.remount("rw")
-        await at(0.55)
-        await restart("graceful restart")
-        f["graceful restart"] = {"took_s": report["restarts_s"][-1]}
-        if disk.tmpfs:
-            await at(0.70)
-            filler, size = fill(disk.path)
-            traffic.phase = "full folder"
-            f["full folder"] = {"filler_mb": round(size / MB, 2)}
-            f["full folder"] |= await write_pressure(server, "full")
-    await at(1.0)
-    traffic.stop()
-    await asyncio.gather(*tasks)
-    if "full folder" in f:
-        log = server.log_since_start()
-        f["full folder"]["warnings"] = log.count("cannot write to")
-        now = await memory_sample(server.base, server.starts, time.monotonic() - t0)
-        f["full folder"]["writable_gauge"] = now and now["disk_writable"]
-    async with httpx.AsyncClient(timeout=10) as http:
-        health = (await http.get(f"{server.base}/health")).json()
-    report["health_at_end"] = {k: health.get(k) for k in ("status", "queue_depth", "prefix_cache")}
-    report["wall_s"] = round(time.monotonic() - t0, 1)
-    server.stop(signal.SIGTERM)
-    if filler is not None:
-        filler.unlink()
-    disk.close()
+            f["full folder"]["writable_gauge"] = now and now["disk_writable"]
+        async with httpx.AsyncClient(timeout=10) as http:
+            health = (await http.get(f"{server.base}/health")).json()
+        report["health_at_end"] = {
+            k: health.get(k) for k in ("status", "queue_depth", "prefix_cache")
+        }
+        report["wall_s"] = round(time.monotonic() - t0, 1)
+    finally:  # whatever happened, no server left running and no mount left behind
+        server.close()
+        disk.close()
     report |= summarize(traffic.outcomes, refs, samples)
     report["ok"], report["failures"] = verdict(report)
     return report

@@ -55,6 +55,15 @@ class Server:
         self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
+    def close(self) -> None:
+        """SIGTERM if still running (SIGKILL if that does not end it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.stop(signal.SIGTERM, timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
     def log_since_start(self) -> str:
         """This run's log (since the last start)."""
         return self.log.read_text(errors="replace").rsplit("===== start", 1)[-1]
