@@ -103,7 +103,13 @@ async def solo_references(base: str) -> dict[int, str]:
 
 
 async def soak(
-    minutes: float, out: Path, most: int, read_timeout: float, faults: bool, warmup_s: float = 60
+    minutes: float,
+    out: Path,
+    most: int,
+    read_timeout: float,
+    faults: bool,
+    warmup_s: float = 60,
+    sample_s: float = SAMPLE_S,
 ) -> dict:
     from dflash_server.testing import build_target
     from server_fixtures import build_draft, free_port
@@ -130,7 +136,7 @@ async def soak(
                 s = await memory_sample(server.base, server.starts, time.monotonic() - t0)
                 if s is not None:
                     samples.append(s)
-                await asyncio.sleep(SAMPLE_S)
+                await asyncio.sleep(sample_s)
 
         async def at(fraction: float) -> None:
             await asyncio.sleep(max(0.0, t0 + fraction * duration - time.monotonic()))
@@ -383,10 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     command = "python tests/load/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     faults = not a.no_faults
     report = asyncio.run(soak(a.minutes, a.out, a.clients, a.read_timeout, faults, a.warmup))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    report["commit"], report["command"] = commit.stdout.strip(), command
+    report["commit"], report["command"] = commit.stdout.strip(), command  # the code that ran
     (a.out / "soak.json").write_text(json.dumps(report, indent=1))
     (a.out / "soak.md").write_text(markdown(report, command))
     print(markdown(report, command).split("Memory every")[0])
