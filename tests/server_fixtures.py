@@ -86,13 +86,16 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def run_server(app: Any, ready_timeout: float = 60.0) -> Iterator[RunningServer]:
-    """Serve ``app`` with uvicorn on a free loopback port in a thread; wait until /health is 200."""
+def run_server(app: Any, ready_timeout: float = 60.0, **config: Any) -> Iterator[RunningServer]:
+    """Serve ``app`` with uvicorn on a free loopback port in a thread; wait until /health is 200
+    (``config``: more ``uvicorn.Config`` settings)."""
     import uvicorn
 
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
+    uvicorn_config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **config
+    )
+    server = uvicorn.Server(uvicorn_config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -63,6 +63,30 @@ def test_metrics_after_real_requests(tiny_hybrid_path: Path, draft_path: Path) -
     assert not any(name.endswith("_created") for name, _ in m)
 
 
+def test_memory_gauges_name_what_holds_the_memory(
+    tiny_hybrid_path: Path, draft_path: Path, tmp_path: Path
+) -> None:
+    """RSS, MLX's allocator and each cache's own bytes, as the caches report them."""
+    import mlx.core as mx
+
+    app = make_app(tiny_hybrid_path, draft_path, prefix_cache_dir=str(tmp_path))
+    with run_server(app) as srv:
+        body = {"messages": [{"role": "user", "content": "one two three " * 20}], "max_tokens": 10}
+        assert httpx.post(f"{srv.base_url}/v1/chat/completions", json=body).is_success
+        m = _samples(httpx.get(f"{srv.base_url}/metrics").text)
+        cache, index = srv.engine.prefix_cache, srv.engine.models.pair.suffix_index
+        assert m[("dflash_prefix_cache_bytes", ())] == cache.stats()["bytes"] > 0
+        assert m[("dflash_suffix_index_bytes", ())] == index.bytes > 0
+    assert m[("dflash_suffix_index_budget_bytes", ())] == index.budget
+    assert m[("dflash_prefix_cache_disk_bytes", ())] == 0  # nothing evicted to disk yet
+    assert m[("dflash_prefix_cache_disk_writable", ())] == 1
+    rss = m[("dflash_process_resident_bytes", ())]
+    assert rss > 50 * 2**20  # Python, MLX and the models at least
+    mlx = {kind: m[("dflash_mlx_memory_bytes", (("kind", kind),))] for kind in ("active", "peak")}
+    assert 0 < mlx["active"] <= mlx["peak"] <= mx.get_peak_memory()
+    assert ("dflash_mlx_memory_bytes", (("kind", "cache"),)) in m
+
+
 def test_metrics_open_or_off(tiny_hybrid_path: Path, draft_path: Path) -> None:
     gen = ScriptedGenerate(["a", "b"])
     app = make_app(tiny_hybrid_path, draft_path, generate=gen, api_key="k", metrics_auth=False)

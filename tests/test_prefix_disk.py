@@ -211,3 +211,66 @@ def test_a_zeroed_file_over_http_answers_as_cold(
     assert ask() == (cold, 0)
     assert not any(p.exists() for p in files)
     assert ask()[1] > 0  # the cold request's entry was written again, intact
+
+
+def test_a_partial_write_left_by_a_killed_process_is_deleted_at_start(
+    models, tmp_path: Path, caplog
+) -> None:
+    """A process killed mid-write leaves its file in ``.partial/`` (never renamed into the
+    folder): the next start deletes it and keeps the complete entries."""
+    model, draft, tokenizer, prompt = models
+    cold, path = persist(models, tmp_path)
+    torn = tmp_path / ".partial" / "0123456789abcdef0123456789abcdef.safetensors"
+    torn.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="dflash_server"):
+        cache = restarted(tmp_path)
+    assert "removed 1 partial write(s)" in caplog.text and not torn.exists()
+    tokens, cached = run(model, draft, tokenizer, prompt, cache)
+    assert tokens == cold and cached == len(prompt.tokens) - 1
+    cache.close()
+
+
+def test_a_full_folder_stops_writes_with_one_warning(
+    models, tmp_path: Path, caplog, monkeypatch
+) -> None:
+    """MLX's own failure on a full disk (half a file written, then RuntimeError): one warning,
+    the torn file removed, no more writes; the RAM tier still serves and answers are unchanged."""
+    import mlx.core as mx
+
+    save = mx.save_safetensors
+
+    def full(path: str, arrays: dict, metadata: dict) -> None:
+        save(path, arrays, metadata=metadata)
+        Path(path).write_bytes(Path(path).read_bytes()[:1000])
+        raise RuntimeError("[write] Unable to write 3145829 bytes to file.")
+
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    model, draft, tokenizer, prompt = models
+    cold, _ = run(model, draft, tokenizer, prompt, PrefixCache(BIG))
+    disk = PrefixDisk(tmp_path, BIG, "models-a")
+    cache = PrefixCache(1, disk)  # every entry goes straight to the disk tier
+    with caplog.at_level(logging.WARNING, logger="dflash_server"):
+        for _ in range(3):
+            tokens, _ = run(model, draft, tokenizer, prompt, cache)
+            disk.flush()
+            assert tokens == cold
+    assert caplog.text.count("cannot write to") == 1 and not disk.writable
+    assert not list(tmp_path.rglob("*.safetensors")) and disk.stats()["writes"] == 0
+    ram = PrefixCache(BIG, disk)
+    run(model, draft, tokenizer, prompt, ram)
+    tokens, cached = run(model, draft, tokenizer, prompt, ram)
+    assert tokens == cold and cached == len(prompt.tokens) - 1  # the RAM tier hits
+    ram.close()
+
+
+def test_a_folder_that_cannot_be_made_leaves_the_ram_tier(models, tmp_path: Path, caplog) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="dflash_server"):
+        disk = PrefixDisk(tmp_path / "file" / "cache", BIG, "models-a")
+    assert "cannot write to" in caplog.text and not disk.writable
+    model, draft, tokenizer, prompt = models
+    cache = PrefixCache(BIG, disk)
+    cold, _ = run(model, draft, tokenizer, prompt, cache)
+    tokens, cached = run(model, draft, tokenizer, prompt, cache)
+    assert tokens == cold and cached == len(prompt.tokens) - 1
+    cache.close()

@@ -19,7 +19,12 @@ from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler, point_mass
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.stream import generate
-from dflash_server.generation.suffix import SharedSuffixIndex, SuffixProposer, TokenIndex
+from dflash_server.generation.suffix import (
+    HOLDER_BYTES,
+    SharedSuffixIndex,
+    SuffixProposer,
+    TokenIndex,
+)
 from dflash_server.generation.target import TargetModel
 from dflash_server.testing import random_drafter
 from test_logprobs_constraints import NoMultipleOfThree
@@ -88,7 +93,8 @@ def test_index_extends_incrementally_and_the_shared_index_stays_in_budget():
     index = TokenIndex([5, 6])
     index.extend([7, 5, 6])
     assert index.follows[(5, 6)] == [2, 5]
-    shared = SharedSuffixIndex(budget_bytes=72 * 25)
+    one = TokenIndex(range(10)).nbytes() + 9 * HOLDER_BYTES  # one 10-token entry, as measured
+    shared = SharedSuffixIndex(budget_bytes=int(2.5 * one))
     for start in range(0, 40, 10):
         shared.add(list(range(start, start + 10)))
     assert len(shared.entries) == 2 and shared.bytes <= shared.budget  # the oldest went
@@ -98,6 +104,26 @@ def test_index_extends_incrementally_and_the_shared_index_stays_in_budget():
     proposer.extend([33])
     proposer.finish()  # its output (one token) is too short to index
     assert len(shared.entries) == 2
+
+
+@pytest.mark.parametrize("vocab", [2_000, 150_000])
+def test_the_shared_index_reports_its_real_memory(vocab: int) -> None:
+    """Its budget is real memory: what it reports is within 2x of what tracemalloc measures
+    (Python ints, lists and tuples cost a few hundred bytes a token, not the ids' 4)."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        shared = SharedSuffixIndex(budget_bytes=2**40)
+        for _ in range(100):  # the ids are made under tracing: the index keeps their objects
+            shared.add([rng.randrange(1000, 1000 + vocab) for _ in range(300)])
+        measured, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert measured / 2 <= shared.bytes <= measured * 2, (shared.bytes, measured)
+    assert shared.bytes / 30_000 > 150  # bytes per token: far above the old 72
 
 
 # -- exactness ----------------------------------------------------------------------------------

@@ -275,6 +275,7 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
 
     from dflash_server.api.app import build_engine, create_app
     from dflash_server.api.metrics import Metrics
+    from dflash_server.api.read_timeout import http_protocol
     from dflash_server.api.shutdown import GracefulServer
 
     failure: list[str] = []
@@ -303,6 +304,7 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
         port=settings.port,
         log_config=_uvicorn_log_config(settings.log_level),
         log_level=settings.log_level,
+        http=http_protocol(settings.request_read_timeout),  # 408 for slow clients
         # After the engine's grace period every stream has its final event; this is a backstop.
         timeout_graceful_shutdown=int(settings.shutdown_timeout) + 10,
     )

@@ -172,6 +172,12 @@ class Settings(BaseSettings, _SamplingDefaults):
     max_request_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="largest request body; bigger ones get 413"
     )
+    request_read_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="seconds a request's headers, then its body, may take to arrive; slower "
+        "clients get 408",
+    )
     shutdown_timeout: float = Field(
         5.0, ge=0, description="seconds in-flight requests may finish after SIGINT/SIGTERM"
     )

@@ -171,6 +171,7 @@ def create_app(
         api_key=settings.api_key,
         max_body=settings.max_request_bytes,
         protected=protected,
+        read_timeout=settings.request_read_timeout,
     )
     if settings.allowed_origins:
         app.add_middleware(

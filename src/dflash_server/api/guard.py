@@ -1,4 +1,5 @@
-"""The first thing every request meets: API-key check on ``/v1`` and the request-body size limit.
+"""The first thing every request meets: API-key check on ``/v1``, the request-body size limit and
+the time the body may take to arrive (``--request-read-timeout``: a 408 past it).
 
 A plain ASGI middleware, so it runs before routing and body parsing: a wrong key or an
 oversized body is refused without reading (or buffering) more than the limit, and unknown
@@ -8,16 +9,18 @@ oversized body is refused without reading (or buffering) more than the limit, an
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dflash_server.api.errors import APIError
+from dflash_server.api.read_timeout import timeout_error
 
 
 class RequestGuard:
     """401 for a missing/wrong key on ``/v1/*``, 415 for a non-JSON body there, 413 for bodies
-    over ``max_body`` bytes."""
+    over ``max_body`` bytes, 408 for a body that takes over ``read_timeout`` seconds."""
 
     def __init__(
         self,
@@ -26,12 +29,14 @@ class RequestGuard:
         api_key: str | None,
         max_body: int,
         protected: tuple[str, ...] = (),
+        read_timeout: float | None = None,
     ) -> None:
         self.app = app
         # Bytes on both sides: compare_digest on str refuses non-ASCII (a 500 waiting to happen).
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
         self.protected = protected  # paths outside /v1 that need the key too (/metrics)
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,8 +100,15 @@ class RequestGuard:
         """The whole body, read up to the limit (chunked uploads have no Content-Length)."""
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        deadline = None if self.read_timeout is None else loop.time() + self.read_timeout
         while True:
-            message = await receive()
+            try:
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                message = await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:  # a client trickling its body (slowloris)
+                assert self.read_timeout is not None
+                return b"", timeout_error(self.read_timeout)
             if message["type"] != "http.request":  # client left before sending it all
                 return b"", APIError(400, "request body incomplete", code="invalid_request")
             chunk = message.get("body", b"")

@@ -12,6 +12,7 @@ process (tests) do not share counters.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -265,6 +266,7 @@ class _EngineGauges(Collector):
                 memory.add_metric([str(rank), "active"], active)
                 memory.add_metric([str(rank), "peak"], peak)
             yield memory
+        yield from _memory_gauges(engine)
         cache = engine.prefix_cache
         if cache is None:
             return
@@ -274,11 +276,52 @@ class _EngineGauges(Collector):
                 yield CounterMetricFamily(
                     f"dflash_prefix_cache_{name}", f"prefix cache lookups ({name})", stats[name]
                 )
-        for name in ("entries", "bytes", "budget_bytes"):
+        for name in ("entries", "bytes", "budget_bytes", "disk_entries", "disk_bytes"):
             if name in stats:
                 yield GaugeMetricFamily(
                     f"dflash_prefix_cache_{name}", f"prefix cache {name}", stats[name]
                 )
+        if "disk_writable" in stats:
+            yield GaugeMetricFamily(
+                "dflash_prefix_cache_disk_writable",
+                "1 while the disk tier writes; 0 after a write failed (read-only or full)",
+                stats["disk_writable"],
+            )
+
+
+def _memory_gauges(engine: Engine) -> Iterator[Any]:
+    """The process's memory and what holds it: RSS, MLX's allocator, the suffix index (the
+    prefix cache's own bytes follow), so growth can be matched to a cache and its budget."""
+    import mlx.core as mx
+
+    if (rss := _rss_bytes()) is not None:
+        yield GaugeMetricFamily("dflash_process_resident_bytes", "resident memory (RSS)", rss)
+    mlx = GaugeMetricFamily(
+        "dflash_mlx_memory_bytes",
+        "MLX memory: active (arrays alive), peak (since start), cache (freed, kept for reuse)",
+        labels=["kind"],
+    )
+    mlx.add_metric(["active"], mx.get_active_memory())
+    mlx.add_metric(["peak"], mx.get_peak_memory())
+    mlx.add_metric(["cache"], mx.get_cache_memory())
+    yield mlx
+    if engine.models is not None:
+        index = engine.models.pair.suffix_index
+        yield GaugeMetricFamily(
+            "dflash_suffix_index_bytes", "the shared suffix index's memory", index.bytes
+        )
+        yield GaugeMetricFamily(
+            "dflash_suffix_index_budget_bytes", "the suffix index's budget", index.budget
+        )
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory (Linux's /proc; elsewhere none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 class RequestMetrics:

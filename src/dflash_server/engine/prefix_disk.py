@@ -7,12 +7,15 @@ checksum of all of that and of every tensor (name, dtype, shape, bytes), verifie
 read back: a damaged snapshot would silently change answers. Damaged files, truncated ones and
 older files without a checksum are removed with a warning (the request prefills cold); files of
 other models and foreign files are left alone with a warning. The oldest files go when the folder
-outgrows its budget.
+outgrows its budget. A file is written under ``.partial/``, synced, then renamed into the folder,
+so a killed process leaves no torn entry (the next start deletes what ``.partial/`` holds); a
+folder that cannot be written (read-only, full) gets one warning and no more writes.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,6 +47,7 @@ log = logging.getLogger("dflash_server")
 FORMAT = "dflash-prefix-2"  # -1: no checksum
 CHECKSUM = "sha256"  # hardware-accelerated on x86 and Apple silicon: ~2 GB/s a core
 READ_THREADS = min(8, os.cpu_count() or 1)  # a request waits for the check: hash in parallel
+PARTIAL = ".partial"  # the subfolder files are written in before their rename into the folder
 _OURS = re.compile(r"[0-9a-f]{32}\.safetensors")  # the names _write gives
 
 
@@ -104,19 +108,55 @@ class PrefixDisk:
 
     def __init__(self, folder: str | Path, budget: int, fingerprint: str) -> None:
         self.folder = Path(folder).expanduser()
-        self.folder.mkdir(parents=True, exist_ok=True)
         self.budget, self.fingerprint = budget, fingerprint
         self._files: dict[Path, _File] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[tuple, PromptSnapshot] | None] = queue.Queue()
         self.writes = self.reads = self.rejected = 0
-        for path in sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
-            self._index(path)
+        self.writable = True  # False after a write failed (read-only or full): RAM tier only
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._stop_writing(exc)
+        self._remove_partial()
+        if self.folder.is_dir():
+            for path in sorted(self.folder.glob("*.safetensors"), key=_mtime):
+                self._index(path)
         self._writer = threading.Thread(target=self._write_loop, name="prefix-disk", daemon=True)
         self._writer.start()
 
     def describe(self) -> str:
-        return f"{self.folder} ({len(self._files)} entries, budget {self.budget / 2**30:.1f} GiB)"
+        state = "" if self.writable else ", not writable: read only"
+        return (
+            f"{self.folder} ({len(self._files)} entries, budget {self.budget / 2**30:.1f} GiB"
+            f"{state})"
+        )
+
+    def _remove_partial(self) -> None:
+        """Files a killed process left half-written (never indexed: they are renamed into the
+        folder only once complete and synced) are deleted."""
+        partial = self.folder / PARTIAL
+        leftovers = sorted(partial.glob("*")) if partial.is_dir() else []
+        for path in leftovers:
+            try:
+                path.unlink()
+            except OSError as exc:
+                log.warning("prefix cache: cannot remove the partial write %s (%s)", path, exc)
+                return
+        if leftovers:
+            log.warning("prefix cache: removed %d partial write(s) in %s", len(leftovers), partial)
+
+    def _stop_writing(self, exc: BaseException) -> None:
+        """One warning, then no more writes: the RAM tier keeps serving, reads go on."""
+        if self.writable:
+            self.writable = False
+            log.warning(
+                "prefix cache: cannot write to %s (%s); the disk tier stops writing until the "
+                "next start (serving continues from RAM; free space, lower "
+                "--prefix-cache-disk-bytes or pick a writable --prefix-cache-dir)",
+                self.folder,
+                exc,
+            )
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -126,6 +166,7 @@ class PrefixDisk:
                 "writes": self.writes,
                 "reads": self.reads,
                 "rejected": self.rejected,  # files that failed verification, removed
+                "writable": int(self.writable),
             }
 
     def _index(self, path: Path) -> None:
@@ -226,8 +267,9 @@ class PrefixDisk:
     # ----- writing (background thread) -------------------------------------------------------
 
     def save(self, kind: tuple, snapshot: PromptSnapshot) -> None:
-        """Queue a snapshot for writing; returns at once."""
-        self._queue.put((kind, snapshot))
+        """Queue a snapshot for writing; returns at once (drops it when writing has stopped)."""
+        if self.writable:
+            self._queue.put((kind, snapshot))
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued writes (bounded by ``timeout``)."""
@@ -241,7 +283,8 @@ class PrefixDisk:
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
-                self._write(*item)
+                if self.writable:
+                    self._write(*item)
             except Exception:
                 log.exception("prefix cache: writing a snapshot failed")
             finally:
@@ -285,10 +328,18 @@ class PrefixDisk:
         }
         meta["checksum"] = _digest(meta, arrays)
         name = f"{uuid.uuid4().hex}.safetensors"
-        partial = self.folder / ".partial"
-        partial.mkdir(exist_ok=True)
-        mx.save_safetensors(str(partial / name), arrays, metadata=meta)
-        path = (partial / name).rename(self.folder / name)  # never seen half-written
+        partial = self.folder / PARTIAL / name
+        try:
+            partial.parent.mkdir(exist_ok=True)
+            mx.save_safetensors(str(partial), arrays, metadata=meta)
+            _fsync(partial)  # on disk before it gets its name: a crash leaves no torn entry
+            path = partial.rename(self.folder / name)
+            _fsync(self.folder)  # the rename itself
+        except (OSError, RuntimeError) as exc:  # MLX reports a full disk as RuntimeError
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            self._stop_writing(exc)
+            return
         self.writes += 1
         self._index(path)
         self._evict()
@@ -301,7 +352,21 @@ class PrefixDisk:
                 oldest = files.pop(0)
                 total -= oldest.nbytes
                 self._files.pop(oldest.path, None)
-                oldest.path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # out of the index: never read again
+                    oldest.path.unlink(missing_ok=True)
+
+
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's) data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _as_tuple(value: object) -> object:
