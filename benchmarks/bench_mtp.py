@@ -20,7 +20,7 @@ pass, all streams' together) and decode tokens/s (all streams' tokens, from the 
 stream has its first token). ``--reuse`` keeps WORK's trained target, drafter and head.
 
     LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 python benchmarks/bench_mtp.py \\
-        --work /tmp/mtp --json /tmp/mtp/result.json
+        --work /tmp/mtp --draft-steps 200 --prompts 4 --json /tmp/mtp/result.json
 """
 
 from __future__ import annotations
