@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sysconfig
 import time
 from pathlib import Path
@@ -60,6 +61,38 @@ def read(files: list[Path], budget: int) -> list[str]:
         total += len(text)
         if total >= budget:
             break
+    return out
+
+
+COPY_MARK = "# now repeat it\n"
+
+
+def copy_chunk(text: str, rng: random.Random, chars: tuple[int, int] = (60, 160)) -> str | None:
+    """A run of whole non-blank lines from ``text``, ``chars[0]``..``chars[1]`` characters long
+    (short enough that a block and its copy fit one training window), or None."""
+    lines = text.splitlines(keepends=True)
+    for _ in range(20):
+        i = rng.randrange(len(lines)) if lines else 0
+        chunk = ""
+        for line in lines[i:]:
+            if not line.strip() or len(chunk) + len(line) > chars[1]:
+                break
+            chunk += line
+        if len(chunk) >= chars[0]:
+            return chunk
+    return None
+
+
+def copy_texts(texts: list[str], share: float, seed: int = 0) -> list[str]:
+    """Repeat tasks ("<lines>" COPY_MARK "<the same lines>") cut from ``texts``, about
+    ``share`` of their characters: a target trained on them copies when asked to."""
+    rng, out, total = random.Random(seed), [], 0
+    goal = share * sum(map(len, texts))
+    while total < goal:
+        chunk = copy_chunk(rng.choice(texts), rng)
+        if chunk is not None:
+            out.append(chunk + COPY_MARK + chunk)
+            total += len(out[-1])
     return out
 
 
@@ -123,10 +156,15 @@ def prepare_target(
     result: dict,
 ) -> None:
     """Tokenizer + target trained on the training files; training data for the drafter."""
-    texts = read(train_files, int(args.train_mb * 1e6))
+    files = texts = read(train_files, int(args.train_mb * 1e6))
     data_dir.mkdir(parents=True, exist_ok=True)
     for i, text in enumerate(texts):
         (data_dir / f"{i:05d}.py").write_text(text)
+    if args.copy_share > 0:  # the drafters learn from the same repeat tasks
+        copies = copy_texts(texts, args.copy_share)
+        with (data_dir / "copies.jsonl").open("w") as f:
+            f.writelines(json.dumps({"text": c}) + "\n" for c in copies)
+        texts = files + copies
     build_tokenizer(target_dir, texts, args.vocab)
     bpe = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     rows = -(-(bpe.get_vocab_size() + 16) // 64) * 64  # spare rows: the mask token lives there
@@ -167,12 +205,25 @@ def prepare_target(
     # kind of context the drafter sees at inference (a small target's greedy text differs a lot
     # from the stdlib's).
     start = time.perf_counter()
-    regen = prompts_from(texts[:: max(1, len(texts) // args.regen)], tokenizer, args.regen, 64)
+    regen = prompts_from(files[:: max(1, len(files) // args.regen)], tokenizer, args.regen, 64)
     generated = decode(model, None, regen, args.regen_tokens).tokens
     with (data_dir / "regen.jsonl").open("w") as f:
         for p, g in zip(regen, generated):
             f.write(json.dumps({"text": tokenizer.decode(p + g)}) + "\n")
     result["regen"] = {"samples": len(regen), "seconds": round(time.perf_counter() - start, 1)}
+
+
+def train_drafter(
+    args: argparse.Namespace, target_dir: Path, data_dir: Path, out: Path, eval_every: int
+) -> dict:
+    """``dflash-serve train``: the DFlash drafter distilled for the target (the recipe's
+    drafter options); returns the train tool's summary."""
+    argv = ["--target", str(target_dir), "--data", str(data_dir), "--out", str(out)]
+    argv += ["--layers", str(args.draft_layers), "--block-size", str(args.block_size)]
+    argv += ["--steps", str(args.draft_steps), "--batch-size", str(args.draft_batch)]
+    argv += ["--seq-len", "256", "--anchors", str(args.anchors), "--lr", str(args.draft_lr)]
+    argv += ["--eval-prompts", "4", "--eval-tokens", "96", "--eval-every", str(eval_every)]
+    return train(argv)
 
 
 def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
@@ -227,10 +278,9 @@ def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
     return {"costs": costs.describe(), "rows": rows}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-distill"))
-    ap.add_argument("--json", type=Path)
+def add_recipe_args(ap: argparse.ArgumentParser) -> None:
+    """The recipe's options (data, target, drafter, held-out prompts), shared with the
+    benchmarks that reuse it (``bench_mtp.py``)."""
     ap.add_argument("--holdout-every", type=int, default=10)
     ap.add_argument("--train-mb", type=float, default=2.0, help="training text, MB")
     ap.add_argument("--vocab", type=int, default=1024)
@@ -248,9 +298,20 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=32, help="blocks per training sequence")
     ap.add_argument("--regen", type=int, default=64, help="target-generated training samples")
     ap.add_argument("--regen-tokens", type=int, default=192)
+    ap.add_argument(
+        "--copy-share", type=float, default=0.0,
+        help="repeat tasks added to the training text, as a share of it (0: none)",
+    )  # fmt: skip
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dflash-distill"))
+    ap.add_argument("--json", type=Path)
+    add_recipe_args(ap)
     ap.add_argument("--reuse-target", action="store_true", help="keep WORK's target and data")
     ap.add_argument(
         "--eval-only",
@@ -283,19 +344,7 @@ def main() -> None:
         saved.write_text(json.dumps({k: result[k] for k in ("target", "regen")}))
 
     draft_dir = args.work / "draft"
-    argv = ["--target", str(target_dir), "--data", str(data_dir), "--out", str(draft_dir)]
-    argv += ["--layers", str(args.draft_layers), "--block-size", str(args.block_size)]
-    argv += ["--steps", str(args.draft_steps), "--batch-size", str(args.draft_batch)]
-    argv += ["--seq-len", "256", "--anchors", str(args.anchors), "--lr", str(args.draft_lr)]
-    argv += [
-        "--eval-prompts",
-        "4",
-        "--eval-tokens",
-        "96",
-        "--eval-every",
-        str(args.draft_steps // 3),
-    ]
-    summary = train(argv)
+    summary = train_drafter(args, target_dir, data_dir, draft_dir, args.draft_steps // 3)
     result["drafter"] = summary
 
     model, tokenizer = mlx_lm.load(str(target_dir))

@@ -11,6 +11,7 @@ import httpx
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import save_model
 
@@ -221,4 +222,24 @@ def test_convert_splits_the_head_out(tmp_path: Path) -> None:
     model, tokenizer = models.pair.model, models.pair.tokenizer
     prompt = tokenizer.encode("def fibonacci(n):")
     got = decoder(model, models.pair.draft, FixedBlock(4)).generate(prompt, 24)
+    assert tokens_of(got) == plain(model, prompt, 24)
+
+
+def test_a_head_trained_for_an_attention_target_loads(tmp_path: Path) -> None:
+    """``train --mtp --init new`` on a plain attention (qwen3) target: its split export loads
+    with the tensors it saved, and drafts exactly."""
+    path = build_target(tmp_path / "t", arch="qwen3")
+    (tmp_path / "data.txt").write_text(TEXT * 8)
+    out = tmp_path / "head"
+    argv = ["--target", str(path), "--data", str(tmp_path / "data.txt"), "--out", str(out)]
+    argv += ["--mtp", "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-prompts"]
+    train([*argv, "0", "--quiet"], log=lambda _: None)
+    model, tokenizer = mlx_lm.load(str(path))
+    head = load_mtp(out, model)
+    saved = load_arrays(out / "model.safetensors")
+    loaded = dict(tree_flatten(head.parameters()))
+    assert set(saved) == {f"mtp.{k}" for k in loaded}
+    assert all(mx.array_equal(saved[f"mtp.{k}"], v).item() for k, v in loaded.items())
+    prompt = tokenizer.encode(TEXT[:60])
+    got = decoder(model, head, FixedBlock(4)).generate(prompt, 24)
     assert tokens_of(got) == plain(model, prompt, 24)

@@ -349,8 +349,11 @@ def _sanitize_layers(
     out = {}
     for key, value in sanitize(renamed).items():
         for theirs, mine in own.items():
-            theirs = theirs.replace("model.language_model.", "language_model.model.")
-            if key.startswith(theirs):
-                key = mine + key[len(theirs) :]
+            # Qwen3.5's sanitize moves them under language_model.model.; a plain attention
+            # target's (a head trained for it with train --mtp) leaves the names as they were.
+            for name in (theirs.replace("model.language_model.", "language_model.model."), theirs):
+                if key.startswith(name):
+                    key = mine + key[len(name) :]
+                    break
         out[key.removeprefix("language_model.model.").removeprefix("language_model.")] = value
     return out
