@@ -255,7 +255,9 @@ def verdict(report: dict) -> tuple[bool, list[str]]:
     if report["health_at_end"]["status"] != "ready":
         failures.append(f"health at the end: {report['health_at_end']}")
     runs = report["memory"]["analysis"]
-    if not any(run["judged"] for run in runs.values()):
+    # A short run on a slow machine may not last long enough to judge growth (its caches'
+    # budgets are still checked below); the long run must.
+    if not any(run["judged"] for run in runs.values()) and report["minutes"] >= 5:
         failures.append("no server run lasted long enough to judge its memory")
     for name, run in runs.items():
         if run["judged"] and run["unexplained_max_growth_mb"] * MB > LEAK_SLACK:

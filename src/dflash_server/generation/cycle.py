@@ -8,6 +8,7 @@ host sync); ``Commit`` the tokens it committed, as the drivers hand them out. Ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -30,6 +31,17 @@ class Commit:
     finish: str | None = None
     drafted: int = 0  # how many of the leading tokens are accepted drafts (the rest: target's)
     source: Source = DRAFTER  # where those drafts came from: the drafter or a suffix copy
+
+    def read_logprobs(self, arrays: tuple[Any, ...]) -> None:
+        """Fill the log-probabilities of the committed tokens from a cycle's device arrays
+        (chosen, top ids, top values; each None when not asked for)."""
+        chosen, ids, top = (None if a is None else cast(list, a.tolist()) for a in arrays)
+        n = len(self.tokens)
+        self.logprobs = (chosen or [])[:n]
+        if ids is not None and top is not None:
+            self.top_logprobs = [
+                sorted(zip(i, v), key=lambda iv: -iv[1]) for i, v in zip(ids[:n], top[:n])
+            ]
 
     def truncate(self, n: int, finish: str | None = None) -> Commit:
         top = None if self.top_logprobs is None else self.top_logprobs[:n]

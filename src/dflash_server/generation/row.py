@@ -346,15 +346,7 @@ class Row:
         source = SUFFIX if cycle.source == SUFFIX else DRAFTER
         commit = Commit([*values[2 : 2 + accepted], bonus], drafted=accepted, source=source)
         if cycle.logprobs is not None:
-            chosen, ids, top = (
-                None if a is None else cast(list, a.tolist()) for a in cycle.logprobs
-            )
-            n = accepted + 1
-            commit.logprobs = (chosen or [])[:n]
-            if ids is not None and top is not None:
-                commit.top_logprobs = [
-                    sorted(zip(i, v), key=lambda iv: -iv[1]) for i, v in zip(ids[:n], top[:n])
-                ]
+            commit.read_logprobs(cycle.logprobs)
         if not cycle.prefill:  # the prefill's token is no cycle
             self.stats.record(cycle.size, accepted, cycle.source)
             self.policy.observe(cycle.size, accepted, seconds, cycle.source, cycle.confidence)
