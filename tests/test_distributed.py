@@ -79,7 +79,7 @@ def engine_run(tiny_hybrid_path: Path, draft_path: Path, tmp_path_factory: Any) 
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.system  # two real ranks (.ci/run runs them after the suite)
 def test_greedy_output_equals_the_sharded_oracle(engine_run: dict) -> None:
     got, want = engine_run["got"], engine_run["want"]
     for case in ("lone", "hit", "batched+0", "batched+3", "batched+7"):
@@ -92,13 +92,13 @@ def test_greedy_output_equals_the_sharded_oracle(engine_run: dict) -> None:
     assert cancelled["tokens"] == want["cancelled"][: len(cancelled["tokens"])]
 
 
-@pytest.mark.slow
+@pytest.mark.system  # two real ranks (.ci/run runs them after the suite)
 def test_tapped_layers_are_whole_on_every_rank(engine_run: dict) -> None:
     assert engine_run["taps"]["ranks_equal"]
     assert engine_run["taps"]["vs_single"] < 1e-4
 
 
-@pytest.mark.slow
+@pytest.mark.system  # two real ranks (.ci/run runs them after the suite)
 def test_sampled_output_follows_the_sharded_target_law(engine_run: dict) -> None:
     from test_sampling import total_variation, tv_tolerance
 
@@ -128,7 +128,7 @@ def complete(port: int, prompt: list[int], n: int = 40, **body: Any) -> httpx.Re
     return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=300)
 
 
-@pytest.mark.slow
+@pytest.mark.system  # two real ranks (.ci/run runs them after the suite)
 def test_server_answers_as_the_oracle_and_reports_every_rank(server: Any, engine_run: dict) -> None:
     prompt, want = engine_run["prompt"], engine_run["strings"]
     first = complete(server.port, prompt).json()
@@ -163,7 +163,7 @@ def test_server_answers_as_the_oracle_and_reports_every_rank(server: Any, engine
         assert f'dflash_rank_memory_bytes{{kind="active",rank="{rank}"}}' in metrics
 
 
-@pytest.mark.slow
+@pytest.mark.system  # two real ranks (.ci/run runs them after the suite)
 def test_a_rank_that_dies_ends_requests_with_503_and_rank_0_exits(server: Any) -> None:
     """The last test on this server: its rank 1 is killed mid-request."""
     answer: list[httpx.Response] = []
@@ -179,7 +179,7 @@ def test_a_rank_that_dies_ends_requests_with_503_and_rank_0_exits(server: Any) -
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.slow
+@pytest.mark.system  # two real ranks (.ci/run runs them after the suite)
 def test_a_rank_that_hangs_ends_requests_with_503_and_rank_0_exits(
     engine_run: dict, tiny_hybrid_path: Path, draft_path: Path
 ) -> None:
@@ -206,7 +206,7 @@ def test_a_rank_that_hangs_ends_requests_with_503_and_rank_0_exits(
         process.kill()
 
 
-@pytest.mark.slow
+@pytest.mark.system  # two real ranks (.ci/run runs them after the suite)
 def test_ranks_with_different_settings_refuse_to_start(
     tiny_hybrid_path: Path, draft_path: Path
 ) -> None:

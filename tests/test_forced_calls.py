@@ -27,7 +27,7 @@ MESSAGES_TOOLS = [{"name": "get_weather", "input_schema": CITY}]
 QUESTION = "What is the weather in Paris?"
 MARKUP = ("<tool_call>", "</tool_call>", "<function", "<parameter", "</think>")
 CONTROL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
-SEEDS = range(20)
+SEEDS = range(12)
 
 
 @pytest.fixture(scope="module")

@@ -388,7 +388,7 @@ def test_sampling_with_an_image_follows_the_target_law(tiny_vl: tuple, vlm: tupl
     exact = joint_law(law)
     best = max(exact, key=exact.get)
     inner = random_drafter(model, block_size=4)
-    n, counts = 600, Counter[tuple[int, ...]]()
+    n, counts = 300, Counter[tuple[int, ...]]()
     for seed in range(n):
         draft = ReplayDrafter(ids + list(best) + [0] * 8, [3], inner)
         row = image_row(tiny_vl, draft, ids, images, 4, sampling=params, seed=seed)

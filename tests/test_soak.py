@@ -21,7 +21,7 @@ from soak import soak
 MINUTES = 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_short_soak_under_faults(tmp_path: Path) -> None:
     run = soak(MINUTES, tmp_path, 16, read_timeout=5.0, faults=True, warmup_s=10, sample_s=3)
     report = asyncio.run(run)
