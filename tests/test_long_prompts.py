@@ -198,6 +198,10 @@ def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any, rows_busy: boo
         assert tokens_of(out[i]) == plain_greedy(model, prompt, 300), i
     first = next(i for i, w in enumerate(widths) if w > 1)
     assert first <= 20, widths  # an early pass checked the calibration (the rows' too)
+    if rows_busy:
+        # What follows depends on the probes' real timings (the rows' costs move by them);
+        # bench_long.py's busy part measures it on a quiet machine.
+        return
     late = widths[len(widths) // 2 :]
     assert sum(w > 1 for w in late) > 0.8 * len(late), widths  # then speculation ran
 
