@@ -9,7 +9,7 @@ precision), two runs, each from ``mx.clear_cache()`` + ``mx.reset_peak_memory()`
 both with ``--kv-group-size`` and ``quantized_kv_start=0`` (quantized from the first chunk on)
 and 2048-token prefill chunks. Reported: ``mx.get_peak_memory()`` (MB), what it adds over the
 weights (and, for ours, the drafter), the attention KV the context holds at the end
-(``kv_bytes_per_token`` x tokens), wall time. ``--target small`` is the tiny hybrid test target
+(``bytes_per_position`` x tokens), wall time. ``--target small`` is the tiny hybrid test target
 with 64-wide heads (fast enough for 32k on a CPU), else the ~100M fp32 benchmark target.
 
     LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 \\
@@ -31,7 +31,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from common import bench_target, published_drafter
-from dflash_server.generation.kv_quant import attention_shapes, kv_bytes_per_token
+from dflash_server.generation.kv_memory import bytes_per_position, kv_geometry
 from dflash_server.generation.stream import stream_generate
 from dflash_server.testing import build_target
 
@@ -76,9 +76,10 @@ def main() -> None:
     mx.eval(model.parameters(), draft.parameters())
     weights = sum(v.nbytes for _, v in _leaves(model.parameters()))
     drafter = sum(v.nbytes for _, v in _leaves(draft.parameters()))
-    shapes = attention_shapes(model)
+    geometry = kv_geometry(model)
+    assert geometry is not None, "a target whose cache layout kv_memory.py knows"
     print(f"target {args.target}: weights {weights / MB:.0f} MB, drafter {drafter / MB:.0f} MB, "
-          f"{len(shapes)} attention layers")  # fmt: skip
+          f"{geometry.kv_elements} K/V elements per position")  # fmt: skip
     warm = list(range(1, 300))
     for impl in args.impls:  # compile and allocate once before measuring
         for bits_text in args.bits:
@@ -94,7 +95,8 @@ def main() -> None:
                 tokens, peak, seconds = run(impl, model, draft, tokenizer, ids, bits,
                                             args.kv_group_size, args.decode)  # fmt: skip
                 held = weights + (drafter if impl == "dflash" else 0)
-                kv = kv_bytes_per_token(shapes, bits, args.kv_group_size) * (n + args.decode)
+                per = bytes_per_position(geometry, kv_bits=bits, group_size=args.kv_group_size)
+                kv = per * (n + args.decode)
                 same = reference.setdefault(bits_text, tokens) == tokens
                 row = {"tokens": n, "bits": bits_text, "impl": impl, "peak_mb": peak / MB,
                        "over_weights_mb": (peak - held) / MB, "kv_mb": kv / MB,

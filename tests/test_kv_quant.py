@@ -19,12 +19,8 @@ from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
 from dflash_server.generation.batch import BatchDecoder
-from dflash_server.generation.kv_quant import (
-    KVQuant,
-    attention_shapes,
-    check_kv_bits,
-    kv_bytes_per_token,
-)
+from dflash_server.generation.kv_memory import bytes_per_position, kv_geometry
+from dflash_server.generation.kv_quant import KVQuant, check_kv_bits, head_dim
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
@@ -224,17 +220,17 @@ def test_prefix_cache_hit_equals_cold_ram_and_disk(wide, tmp_path: Path, with_dr
 
 def test_bytes_per_token_match_the_caches(wide) -> None:
     model, _ = wide
-    shapes = attention_shapes(model)
-    assert len(shapes) == 1 and shapes[0].kv_heads == 2 and shapes[0].key_dim == 64
+    g = kv_geometry(model)
+    assert g is not None and g.kv_elements == 2 * 2 * 64 and head_dim(model) == 64
+    sizes = []
     for bits in (None, 8, 4):
         cache: list[Any] = [KVCache()]
         cache[0].update_and_fetch(mx.zeros((1, 2, 256, 64)), mx.zeros((1, 2, 256, 64)))
         if bits is not None:
             cache[0] = cache[0].to_quantized(group_size=64, bits=bits)
-        assert kv_bytes_per_token(shapes, bits, 64) * 256 == cache[0].nbytes, bits
-    assert (
-        kv_bytes_per_token(shapes, 4) < kv_bytes_per_token(shapes, 8) < kv_bytes_per_token(shapes)
-    )
+        sizes.append(bytes_per_position(g, kv_bits=bits, group_size=64))
+        assert sizes[-1] * 256 == cache[0].nbytes, bits
+    assert sizes == sorted(sizes, reverse=True)
 
 
 def test_settings_are_checked() -> None:

@@ -49,11 +49,18 @@ def attention_bytes(
 ) -> int:
     """The target's K/V of one request holding ``tokens`` positions (buffer growth included)."""
     columns = tokens + g.block + STEP
+    return columns * bytes_per_position(g, kv_bits=kv_bits, group_size=group_size)
+
+
+def bytes_per_position(
+    g: KVGeometry, *, kv_bits: int | None = None, group_size: int | None = None
+) -> int:
+    """K/V bytes one position adds over the full-attention layers: full precision, or
+    ``kv_bits`` per element plus a scale and a bias (the cache's dtype) per group."""
     if kv_bits is None:
-        return columns * g.kv_elements * g.dtype_bytes
+        return g.kv_elements * g.dtype_bytes
     groups = math.ceil(g.kv_elements / (group_size or 64))
-    per_token = math.ceil(g.kv_elements * kv_bits / 8) + groups * 2 * g.dtype_bytes
-    return columns * per_token
+    return math.ceil(g.kv_elements * kv_bits / 8) + groups * 2 * g.dtype_bytes
 
 
 def draft_bytes(g: KVGeometry, tokens: int) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize accepts for affine quantization
 KV_GROUP_SIZES = (32, 64, 128)
@@ -55,14 +55,13 @@ class KVQuant:
 
     def check_model(self, model: nn.Module) -> None:
         """Raise a ValueError when a head size does not split into groups."""
-        for shape in attention_shapes(model):
-            for dim in (shape.key_dim, shape.value_dim):
-                if dim % self.group_size:
-                    raise ValueError(
-                        f"--kv-group-size {self.group_size} does not divide the model's attention "
-                        f"head size {dim}: pass a group size that does "
-                        f"({', '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'none'})"
-                    )
+        dim = head_dim(model)
+        if dim % self.group_size:
+            raise ValueError(
+                f"--kv-group-size {self.group_size} does not divide the model's attention "
+                f"head size {dim}: pass a group size that does "
+                f"({', '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'none'})"
+            )
 
 
 def check_kv_bits(bits: int, group_size: int, start: int = 0) -> None:
@@ -78,40 +77,8 @@ def check_kv_bits(bits: int, group_size: int, start: int = 0) -> None:
         raise ValueError(f"--quantized-kv-start must be 0 or more, got {start}")
 
 
-@dataclass(frozen=True)
-class AttentionShape:
-    """One attention layer's cached K/V per token: heads, head sizes, element bytes."""
-
-    kv_heads: int
-    key_dim: int
-    value_dim: int
-    itemsize: int
-
-
-def attention_shapes(model: nn.Module) -> list[AttentionShape]:
-    """The model's ``KVCache`` layers (from ``make_prompt_cache``), shaped by its config:
-    ``num_key_value_heads`` and ``head_dim`` (else hidden size / heads), in the dtype of its
-    final norm (no forward: a sharded target's ranks would have to join it)."""
+def head_dim(model: nn.Module) -> int:
+    """The attention head size, from the config (``head_dim``, else hidden size / heads)."""
     outer: Any = getattr(model, "language_model", model)
     args = outer.args
-    heads = args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    itemsize = outer.model.norm.weight.dtype.size
-    layers = sum(type(c) is KVCache for c in make_prompt_cache(model))
-    return [AttentionShape(kv_heads, head_dim, head_dim, itemsize)] * layers
-
-
-def kv_bytes_per_token(
-    shapes: list[AttentionShape], kv_bits: int | None = None, group_size: int = 64
-) -> int:
-    """Bytes of attention KV one token adds, over all layers: full precision, or ``kv_bits``
-    per element plus a scale and a bias (the cache's dtype) per ``group_size`` elements."""
-    total = 0.0
-    for s in shapes:
-        dims = s.key_dim + s.value_dim
-        if kv_bits is None:
-            total += s.kv_heads * dims * s.itemsize
-        else:
-            total += s.kv_heads * (dims * kv_bits / 8 + 2 * (dims // group_size) * s.itemsize)
-    return int(total)
+    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
