@@ -65,7 +65,9 @@ def parse_size(value: object) -> int | None:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**26:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**24 else f"{n / 2**10:,.0f} KiB"
 
 
 def machine_memory() -> int:
@@ -202,10 +204,15 @@ def build_ledger(
     else:
         budget, how = max_kv_memory, "--max-kv-memory"
     ledger = KVLedger(geometry, budget, padded=padded, kv=kv)
+    room = ledger.room(0)
     log.info(
-        "KV memory budget: %s (%s); one request alone may hold %d positions",
-        gib(budget),
-        how,
-        ledger.room(0),
+        "KV memory budget: %s (%s); one request alone may hold %d positions", gib(budget), how, room
     )
+    if room == 0:
+        log.warning(
+            "KV memory budget %s holds no request at all (one alone needs %s): every request "
+            "will get 503; raise --max-kv-memory",
+            gib(budget),
+            gib(ledger.alone(1)),
+        )
     return ledger
