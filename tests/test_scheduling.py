@@ -191,7 +191,7 @@ def test_long_prefill_yields_to_running_streams(models: LoadedModels, batching: 
     finally:
         engine.stop()
     chunks = [i for i, (key, kind) in enumerate(order) if key == 7 and kind == "chunk"]
-    assert len(chunks) == 11  # 96 tokens in chunks of 8: 11 yields, the 12th gives a token
+    assert len(chunks) == 12  # 96 tokens: 11 chunks of 8, 7 and the last token: 12 yields
     for a, b in itertools.pairwise(chunks):
         between = {key for key, kind in order[a:b] if kind == "tokens"}
         assert between == {5, 6}, order[a:b]

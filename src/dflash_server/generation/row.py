@@ -253,7 +253,9 @@ class Row:
         cold run did after the restored prefix."""
         step = max(1, self.prefill_step_size)
         cuts = set(range(step, end, step)) | {end} | self.checkpoint_positions()
-        if self.kv is not None and end > 1:  # mlx-lm feeds the last prompt token on its own
+        # As mlx-lm, the last token on its own: a chunk without logits skips the top layer's
+        # output (no cache reads it); with the logits, every row of the chunk would run it.
+        if end > 1:
             cuts.add(end - 1)
         ends = sorted(c for c in cuts if c > start)
         return list(zip([start, *ends[:-1]], ends))
