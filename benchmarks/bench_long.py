@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 import tempfile
@@ -38,8 +39,9 @@ from mlx_lm.generate import generate_step
 
 from common import bench_target, published_drafter, write_json
 from dflash_server import load
+from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.calibrate import measure_costs
-from dflash_server.generation.controller import BlockController
+from dflash_server.generation.controller import BlockController, SharedPrior
 from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
@@ -71,15 +73,23 @@ def ours_ttft(model: Any, draft: Any, prompt: list[int], taps: bool = True) -> f
     return time.perf_counter() - start
 
 
-def prefill(model: Any, draft: Any, lengths: list[int], rounds: int) -> list[dict]:
+def prefill(
+    model: Any, draft: Any, lengths: list[int], rounds: int, split: bool = True
+) -> list[dict]:
     rows = []
+    warm = prompt_of(64)  # first calls pay one-off set-up: not part of any figure
+    mlx_lm_ttft(model, warm)
+    ours_ttft(model, draft, warm)
     for n in lengths:
         prompt = prompt_of(n)
-        runs: dict[str, list[float]] = {"mlx_lm": [], "target": [], "taps": [], "ours": []}
+        runs: dict[str, list[float]] = {"mlx_lm": [], "ours": []}
+        if split:
+            runs |= {"target": [], "taps": []}
         for _ in range(rounds):
             runs["mlx_lm"].append(mlx_lm_ttft(model, prompt))
-            runs["target"].append(ours_ttft(model, None, prompt, taps=False))
-            runs["taps"].append(_taps_only(model, draft, prompt))
+            if split:
+                runs["target"].append(ours_ttft(model, None, prompt, taps=False))
+                runs["taps"].append(_taps_only(model, draft, prompt))
             runs["ours"].append(ours_ttft(model, draft, prompt))
         ratio = statistics.median(m / o for m, o in zip(runs["mlx_lm"], runs["ours"]))
         row = {
@@ -97,8 +107,8 @@ def _taps_only(model: Any, draft: Any, prompt: list[int]) -> float:
     target = TargetModel(model, tuple(draft.config.target_layer_ids))
     cache = target.make_cache()
     start = time.perf_counter()
-    for begin in range(0, len(prompt), 2048):
-        end = min(begin + 2048, len(prompt))
+    ends = sorted(set(range(2048, len(prompt), 2048)) | {len(prompt) - 1, len(prompt)})
+    for begin, end in zip([0, *ends[:-1]], ends):  # our chunks: the last token on its own
         logits, taps = target.forward(
             mx.array(prompt[begin:end])[None],
             cache,
@@ -109,6 +119,20 @@ def _taps_only(model: Any, draft: Any, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
+def decode_once(model: Any, draft: Any, store: PrefixCache, prompt: list[int], drafter: Any,
+                policy: Any, tokens: int) -> tuple[list[int], float]:  # fmt: skip
+    """Greedy ``tokens`` after ``prompt`` (its prefill restored from ``store`` when there):
+    the tokens and the decode tokens/s, timed from the first token."""
+    taps = tuple(draft.config.target_layer_ids) if drafter is not None else ()
+    sampler = TokenSampler(SamplingParams())
+    row = Row(TargetModel(model, taps), drafter, sampler, policy, prefix=store)
+    out, start = [], None
+    for commit in SpeculativeDecoder(row).generate(prompt, tokens):
+        start = start or time.perf_counter()  # after the prefill
+        out.extend(commit.tokens)
+    return out, (len(out) - 1) / (time.perf_counter() - start)
+
+
 def decode(model: Any, draft: Any, contexts: list[int], taus: list[int], n: int,
            widths: list[int], rounds: int) -> list[dict]:  # fmt: skip
     costs = measure_costs(model, draft)
@@ -116,27 +140,30 @@ def decode(model: Any, draft: Any, contexts: list[int], taus: list[int], n: int,
     rows = []
     for length in contexts:
         prompt = prompt_of(length)
-        reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n + 16)]
+        # Each kind of row (plain; with the drafter's taps) prefills the context once; every
+        # later run restores it from the prefix cache and feeds only the last prompt token.
+        run = functools.partial(decode_once, model, draft, PrefixCache(1 << 40), prompt)
+        reference, _ = run(None, FixedBlock(1), n + 16)  # plain greedy: every mode's output
         for tau in taus:
             replay = ReplayDrafter(prompt + reference, [tau - 1], draft)
+            run(replay, FixedBlock(2), 2)  # the drafter's kind of row prefills the context
+            # "auto" as the server runs it: the pair's costs and acceptance prior, shared by its
+            # requests; the first request (a prior from nothing) is reported on its own.
+            prior = SharedPrior()
+            first = run(replay, BlockController(16, costs.copy(), prior=prior), n)[1]
             modes: dict[str, Any] = {"plain": None, **{f"fixed {w}": w for w in widths}}
             modes["auto"] = "auto"
             rates: dict[str, list[float]] = {m: [] for m in modes}
             for _ in range(rounds):
                 for mode, width in modes.items():
                     if width is None:
-                        policy, d = FixedBlock(1), None
+                        tokens, rate = run(None, FixedBlock(1), n)
                     elif width == "auto":
-                        policy, d = BlockController(16, costs.copy()), replay
+                        policy = BlockController(16, costs.copy(), prior=prior)
+                        tokens, rate = run(replay, policy, n)
                     else:
-                        policy, d = FixedBlock(width), replay
-                    taps = tuple(draft.config.target_layer_ids) if d is not None else ()
-                    row = Row(TargetModel(model, taps), d, TokenSampler(SamplingParams()), policy)
-                    tokens, start = [], None
-                    for commit in SpeculativeDecoder(row).generate(prompt, n):
-                        start = start or time.perf_counter()  # after the prefill
-                        tokens.extend(commit.tokens)
-                    rates[mode].append((len(tokens) - 1) / (time.perf_counter() - start))
+                        tokens, rate = run(replay, FixedBlock(width), n)
+                    rates[mode].append(rate)
                     assert tokens == reference[:n], f"{mode} at {length}: output differs"
             med = {m: statistics.median(v) for m, v in rates.items()}
             best = max((m for m in modes if m.startswith("fixed")), key=lambda m: med[m])
@@ -144,6 +171,7 @@ def decode(model: Any, draft: Any, contexts: list[int], taus: list[int], n: int,
                 "context": length,
                 "tau": tau,
                 "tok_s": {m: round(v, 2) for m, v in med.items()},
+                "first_auto_vs_plain": round(first / med["plain"], 3),
                 "auto_vs_plain": round(statistics.median(
                     a / p for a, p in zip(rates["auto"], rates["plain"])), 3),
                 "best_fixed": best,
@@ -215,6 +243,12 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="*", default=[2, 4, 8, 16])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--split",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the target alone and with taps only (--no-split: faster)",
+    )
     ap.add_argument("--busy-factor", type=float, default=20.0, help="0: skip the busy part")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -226,7 +260,7 @@ def main() -> None:
     draft.set_window(DEFAULT_WINDOW)  # as the server runs it: sinks + the newest positions
     result: dict[str, Any] = {}
     if args.lengths:
-        result["prefill"] = prefill(model, draft, args.lengths, args.rounds)
+        result["prefill"] = prefill(model, draft, args.lengths, args.rounds, args.split)
     if args.contexts:
         result["decode"] = decode(model, draft, args.contexts, args.tau, args.tokens,
                                   args.widths, args.rounds)  # fmt: skip
