@@ -106,6 +106,44 @@ def test_costs_grow_with_the_context(tiny_hybrid: Any) -> None:
     assert wide >= 8 and 1 <= far.choose(100, None, context=50_000).size < wide
 
 
+def test_growth_is_fitted_as_a_line_in_the_width() -> None:
+    """A verify reads the context once per position, so growth is a line in the width: a line
+    is kept as measured, and one noisy width (here 2, at 8x its neighbours') moves little."""
+    from dflash_server.generation.calibrate import _linear_in_width
+
+    line = {w: 1e-6 + 5e-7 * w for w in (1, 2, 4, 8, 16)}
+    assert _linear_in_width(line) == pytest.approx(line)
+    noisy = _linear_in_width({**line, 2: 8 * line[2]})
+    assert noisy[2] < 4 * line[2] and noisy[16] < 1.5 * line[16]  # not 8x, nor 8x at 16
+    assert list(noisy.values()) == sorted(noisy.values())  # never shrinking
+    assert _linear_in_width({1: -1e-6, 2: -2e-6}) == {1: 0.0, 2: 0.0}  # noise below zero
+
+
+def test_a_windowed_drafter_stops_growing_at_its_window(tiny_hybrid: Any) -> None:
+    """Past its window a drafter reads no more context: its share of a cycle (and of a batched
+    pass) stops growing there, while the target's attention keeps growing."""
+    from dflash_server.generation.batch_budget import PassCosts
+    from dflash_server.generation.costs import CostModel
+    from dflash_server.models.window import context_reach
+    from dflash_server.testing import random_drafter
+
+    model, _ = tiny_hybrid
+    draft = random_drafter(model)
+    assert context_reach(draft) is None  # full attention over all of it
+    draft.set_window(256)
+    assert context_reach(draft) == 256
+    costs = CostModel(
+        0.01, {2: 0.02, 16: 0.03}, {2: 0.01, 16: 0.02}, draft_slope=1e-6, draft_reach=256
+    )
+    assert costs.base(16, context=128) < costs.base(16, context=512) == costs.base(16, context=9999)
+    costs.slope = {1: 1e-7, 16: 1e-6}
+    assert costs.base(16, context=9999) > costs.base(16, context=512)
+    passes = PassCosts({1: 0.01}, {16: 0.03}, slope={1: 0.0, 16: 0.0}, draft_slope=1e-6,
+                       draft_reach=256)  # fmt: skip
+    assert passes.base(1, 16, [512]) == passes.base(1, 16, [9999]) > passes.base(1, 16, [64])
+    assert passes.base(1, 1, [9999]) == passes.base(1, 1, [64])  # a plain pass drafts nothing
+
+
 def test_the_pairs_costs_learn_from_every_request() -> None:
     """A request's cycles also refine the pair's model, which the next request starts from."""
     from test_adaptive import costs

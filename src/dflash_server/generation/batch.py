@@ -35,7 +35,7 @@ from collections.abc import Generator
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.batch_budget import PassCosts, choose_widths, extra_context
+from dflash_server.generation.batch_budget import PassCosts, choose_widths
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
 from dflash_server.generation.batch_draft import propose_rows
 from dflash_server.generation.batch_prefill import prefill_together
@@ -313,7 +313,8 @@ class BatchDecoder:
                 self.cache.compact()
         if self.costs is not None:
             seconds = time.perf_counter() - start
-            error = self.costs.observe(len(rows), width, seconds, extra_context(rows, self.costs))
+            contexts = [row.position for row in rows]
+            error = self.costs.observe(len(rows), width, seconds, contexts)
             if self._capped == 0 and error < -_OFF:  # a probe far cheaper: probe again soon
                 self._probe_gap = _PROBE_GAP
         self.passes += 1

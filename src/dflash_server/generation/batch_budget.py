@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.costs import CostModel
+from dflash_server.generation.costs import CostModel, context_past
 from dflash_server.generation.policy import Choice
 
 if TYPE_CHECKING:
@@ -45,24 +46,32 @@ class PassCosts:
     measured_s: float = 0.0
     context: int = 64  # the rows' context when measured
     slope: dict[int, float] = field(default_factory=dict)  # width -> s per row-context token
+    draft_slope: float = 0.0  # a drafted pass's growth per context token its drafter reads
+    draft_reach: int | None = None  # a row's context the drafter reads at most (None: all)
     plain_residual: dict[int, float] = field(default_factory=dict)  # rows -> log correction
     spec_residual: dict[int, float] = field(default_factory=dict)  # positions -> log correction
     plain_drift: float = 0.0  # log correction every plain point shares
     spec_drift: float = 0.0  # the same for speculative points
     checked: int = 0  # real speculative passes observed (0: the calibration alone)
 
-    def base(self, rows: int, width: int, extra_context: int = 0) -> float:
-        """The measured curve at this pass, plus attention over the rows' ``extra_context``
-        (their context tokens past the measured one, summed)."""
-        grow = CostModel._interp(self.slope, width) * extra_context if self.slope else 0.0
+    def base(self, rows: int, width: int, contexts: Sequence[int] = ()) -> float:
+        """The measured curve at this pass, plus attention over the rows' ``contexts`` past
+        the measured one (and, drafted, the drafter's over the part it reads)."""
         points, x = (self.plain, rows) if width <= 1 else (self.speculative, rows * width)
+        grow = 0.0
+        if self.slope:
+            extra = sum(context_past(c, self.context) for c in contexts)
+            grow = CostModel._interp(self.slope, width) * extra
+        if width > 1 and self.draft_slope:
+            reads = sum(context_past(c, self.context, self.draft_reach) for c in contexts)
+            grow += self.draft_slope * reads
         return max(CostModel._interp(points, x) + grow, 1e-6)
 
-    def cost(self, rows: int, width: int, extra_context: int = 0) -> float:
+    def cost(self, rows: int, width: int, contexts: Sequence[int] = ()) -> float:
         """The estimate: the measured curve refined by the passes seen since."""
-        return self.base(rows, width, extra_context) * math.exp(self._correction(rows, width))
+        return self.base(rows, width, contexts) * math.exp(self._correction(rows, width))
 
-    def observe(self, rows: int, width: int, seconds: float, extra_context: int = 0) -> float:
+    def observe(self, rows: int, width: int, seconds: float, contexts: Sequence[int] = ()) -> float:
         """Fold a real pass's wall time into the curve (log space, clipped: one slow pass
         cannot flip the budget): half into the drift every point of its kind shares (a busy
         measure inflated them all), half into its own point; the first speculative passes go
@@ -70,7 +79,7 @@ class PassCosts:
         if not seconds > 0:
             return 0.0
         residuals, x = self._residuals(rows, width)
-        error = math.log(seconds / self.base(rows, width, extra_context))
+        error = math.log(seconds / self.base(rows, width, contexts))
         error -= self._correction(rows, width)
         if width > 1:
             self.checked += 1
@@ -125,20 +134,15 @@ def choose_widths(rows: list[Row], choices: list[Choice], costs: PassCosts) -> l
     def widths(cap: int) -> list[int]:
         return [min(w, cap) if a else w for w, a in zip(wanted, adaptive)]
 
-    extra = extra_context(rows, costs)
+    contexts = [row.position for row in rows]
 
     def value(cap: int) -> float:
         ws = widths(cap)
         tokens = sum(r.policy.expected(c, w) for r, c, w in zip(rows, choices, ws))
-        return tokens / costs.cost(len(ws), max(ws), extra)
+        return tokens / costs.cost(len(ws), max(ws), contexts)
 
     caps = sorted({1, *wanted})
     return widths(max(caps, key=value))
-
-
-def extra_context(rows: list[Row], costs: PassCosts) -> int:
-    """The rows' context tokens past the one the pass costs were measured at, summed."""
-    return sum(max(0, row.position - costs.context) for row in rows)
 
 
 def measure_pass_costs(
@@ -206,11 +210,15 @@ def measure_pass_costs(
 
     plain = {r: timed(r, 1) for r in (1, 2, 4, 8, 16)}
     speculative = {4: timed(1, 4), **{r * width: timed(r, width) for r in (1, 2, 4, 8)}}
-    slope = {}
-    if growth is not None:  # a drafted pass also grows with each row's drafter context
-        slope = {w: s + (growth.draft_slope if w > 1 else 0.0) for w, s in growth.slope.items()}
+    growth = growth or CostModel(0.0, {}, {})  # each row's context adds the pair's growth
     return PassCosts(
-        plain, _rising(speculative), time.perf_counter() - start, context=context, slope=slope
+        plain,
+        _rising(speculative),
+        time.perf_counter() - start,
+        context=context,
+        slope=dict(growth.slope),
+        draft_slope=growth.draft_slope,
+        draft_reach=growth.draft_reach,
     )
 
 

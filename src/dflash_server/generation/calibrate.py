@@ -27,6 +27,7 @@ from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.suffix import Proposal, SuffixProposer
 from dflash_server.generation.target import TargetModel
+from dflash_server.models.window import context_reach
 
 
 def _widths(block: int) -> list[int]:
@@ -88,8 +89,9 @@ def measure_costs(
         span = long_context - context
         grown = {1: long.timed(long.plain), **{w: long.timed(long.verify(w)) for w in widths}}
         shorter = {1: costs.plain, **costs.verify}
-        costs.slope = _rising({w: max(0.0, t - shorter[w]) / span for w, t in grown.items()})
+        costs.slope = _linear_in_width({w: (t - shorter[w]) / span for w, t in grown.items()})
         if draft is not None:
+            costs.draft_reach = context_reach(draft)
             costs.draft_slope = (
                 max(0.0, long.timed(long.drafting(block)) - costs.draft[block]) / span
             )
@@ -186,6 +188,19 @@ class _Pieces:
                 return time.perf_counter() - t0
 
         return run
+
+
+def _linear_in_width(growth: dict[int, float]) -> dict[int, float]:
+    """Each width's growth per context token as a line in the width (attention reads the
+    context once per verified position), fitted over the measured widths by least squares: a
+    few milliseconds of noise in one timing, divided by the context, must not make one width
+    (and, kept non-decreasing, all wider ones) look ten times dearer at 32k tokens."""
+    xs, ys = list(growth), list(growth.values())
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    slope = max(0.0, slope)
+    return {x: max(0.0, mean_y + slope * (x - mean_x)) for x in sorted(xs)}
 
 
 def _calibrate(

@@ -30,6 +30,12 @@ _CLIP = math.log(3.0)  # one observation moves the correction by at most this (l
 _EARLY, _EARLY_CLIP = 3, math.log(50.0)
 
 
+def context_past(context: int, measured: int, reach: int | None = None) -> int:
+    """Tokens of ``context`` past the ``measured`` one that a pass reads: a windowed drafter
+    reads at most ``reach`` (None: all), so its cost stops growing there."""
+    return max(0, (context if reach is None else min(context, reach)) - measured)
+
+
 @dataclass
 class CostModel:
     """Seconds per cycle by block size; ``verify`` and ``draft`` are keyed by measured widths."""
@@ -47,6 +53,7 @@ class CostModel:
     context: int = 64  # the context (tokens) the curves above were measured at
     slope: dict[int, float] = field(default_factory=dict)  # width -> s per token past ``context``
     draft_slope: float = 0.0  # the drafter pass's growth per context token
+    draft_reach: int | None = None  # context the drafter attends to at most (None: all of it)
     shared: CostModel | None = field(default=None, repr=False)  # the pair's, refined too
     checked: int = 0  # real drafted cycles observed (0: the curve is the calibration alone)
 
@@ -76,8 +83,12 @@ class CostModel:
         draft = 0.0
         if drafted:
             draft = self._interp(self.draft, size)
-            draft += self.draft_slope * max(0, context - self.context)
+            draft += self.draft_slope * self.draft_context(context)
         return max(draft + self._interp(self.verify, size) + grow, 1e-6)
+
+    def draft_context(self, context: int) -> int:
+        """Context tokens past the measured one that a drafter pass reads."""
+        return context_past(context, self.context, self.draft_reach)
 
     def _residual(self, size: int, drafted: bool = True) -> float:
         size = max(1, size)

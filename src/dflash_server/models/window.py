@@ -104,3 +104,16 @@ def apply_draft_window(draft: Any, window: int | None, sinks: int = SINKS) -> in
         if attn.window is None:  # full attention; sliding layers keep their trained window
             object.__setattr__(attn, "context_window", None if window is None else (window, sinks))
     return window
+
+
+def context_reach(draft: Any) -> int | None:
+    """The most context positions any of ``draft``'s layers attends to (sinks included);
+    None when some layer reads all of it, or its layers are not of this module's kind."""
+    reach = 0
+    for layer in getattr(draft, "layers", None) or [None]:
+        attn = getattr(layer, "self_attn", None)
+        bound = getattr(attn, "window", None) or getattr(attn, "context_window", None)
+        if bound is None:
+            return None
+        reach = max(reach, bound[0] if isinstance(bound, tuple) else int(bound))
+    return reach
