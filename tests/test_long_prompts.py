@@ -209,6 +209,10 @@ def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any, rows_busy: boo
     inner = random_drafter(model, block_size=8)
     target = TargetModel(model, inner.config.target_layer_ids)
     measured = measure_costs(model, inner)
+    # About the calibration's level, not its growth with the context (tested on its own): on
+    # this tiny pair the measured growth is mostly timing noise (15-20 % of a cycle at these
+    # rows' ~300 tokens on a quiet machine, more on a loaded one).
+    measured.slope, measured.draft_slope = {}, 0.0
     busy = measure_pass_costs(target, inner, width=8, growth=measured)
     busy.spec_residual = {8 * r: math.log(20.0) for r in (1, 2, 4, 8)}
     batch = BatchDecoder(target, costs=busy)
