@@ -83,12 +83,8 @@ class CostModel:
         draft = 0.0
         if drafted:
             draft = self._interp(self.draft, size)
-            draft += self.draft_slope * self.draft_context(context)
+            draft += self.draft_slope * context_past(context, self.context, self.draft_reach)
         return max(draft + self._interp(self.verify, size) + grow, 1e-6)
-
-    def draft_context(self, context: int) -> int:
-        """Context tokens past the measured one that a drafter pass reads."""
-        return context_past(context, self.context, self.draft_reach)
 
     def _residual(self, size: int, drafted: bool = True) -> float:
         size = max(1, size)
