@@ -309,5 +309,7 @@ def test_measure_costs(tiny_hybrid, family):
     assert widths[0] == 1 and widths[-1] == draft.config.block_size
     assert all(measured.verify[a] <= measured.verify[b] for a, b in itertools.pairwise(widths))
     assert measured.plain > 0 and all(t > 0 for t in measured.draft.values())
-    assert measured.cycle(draft.config.block_size) >= measured.cycle(2) > 0
+    # A wider cycle never costs less (the calibration's times are kept rising; the residuals'
+    # log/exp round trip may leave the last bit either way).
+    assert measured.cycle(draft.config.block_size) >= measured.cycle(2) * (1 - 1e-9) > 0
     assert "cycle cost (ms): plain step" in measured.describe()
