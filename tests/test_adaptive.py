@@ -281,6 +281,42 @@ def test_block_size_none_is_the_trained_block_and_fixed(tiny_hybrid):
     assert d["block_size_histogram"][8] > 0  # the trained block (the last cycle may be cut)
 
 
+def test_only_steady_cycles_teach_the_costs(tiny_hybrid):
+    """Between two reads lies one cycle's work only in a steady state: a plain run's first
+    step (after a prefill or a speculative cycle) and its last (before one) are not timed."""
+
+    seen: list[tuple[int, bool]] = []  # (width, timed) per cycle read
+
+    class Timed(Scripted):
+        def observe(self, size, accepted, seconds, *args, **kwargs):
+            seen.append((size, seconds is not None))
+
+    model, tokenizer = tiny_hybrid
+    ids = tokenizer.encode("def fibonacci(n):")
+    policy = Timed([1, 1, 1, 1, 4])
+    tokens, _ = decode(model, random_drafter(model), ids, policy, n=30)
+    assert tokens == plain(model, ids, 30)
+    run = [(1, False), (1, True), (1, True), (1, False), (4, True)]
+    assert seen[:10] == run + run
+
+
+def test_a_new_request_starts_from_the_last_ones_stopping_point():
+    """The pair's prior keeps where drafts stop being accepted, not only a per-draft rate:
+    after a request whose drafts go wrong at the fourth, the next one starts about 4 wide,
+    where the same rate spread evenly over the positions verifies drafts that will fail."""
+    from dflash_server.generation.controller import SharedPrior
+
+    prior = SharedPrior()
+    first = BlockController(16, costs(verify16=4.0), prior=prior)
+    for _ in range(12):
+        size = first.next_size(100)
+        first.observe(size, min(size - 1, 3), None)
+    assert first.next_size(100) == 4
+    assert BlockController(16, costs(verify16=4.0), prior=prior).next_size(100) in (4, 5)
+    flat = SharedPrior(prior.rate)  # the same per-draft rate, no positions
+    assert BlockController(16, costs(verify16=4.0), prior=flat).next_size(100) > 5
+
+
 def test_a_new_request_starts_from_the_last_ones_acceptance():
     from dflash_server.generation.controller import SharedPrior
 

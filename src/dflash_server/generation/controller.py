@@ -75,16 +75,27 @@ class SuffixTrust:
 
 
 class SharedPrior:
-    """Where a new request's acceptance estimate starts: the latest per-cycle rate any request
-    on this pair saw (kept within ``bounds``, so one hopeless or perfect request never decides
-    the next one's first cycles alone)."""
+    """Where a new request's acceptance estimate starts: the latest per-cycle rate and
+    per-position rates any request on this pair saw (each kept within ``bounds``, so one
+    hopeless or perfect request never decides the next one's first cycles alone). The
+    positions matter: a pair that drafts 3 tokens right and then goes wrong reads as a flat
+    0.75 per draft, which undervalues a 4-wide block, until a request re-learns where it stops."""
 
     def __init__(self, rate: float = 0.75, bounds: tuple[float, float] = (0.2, 0.9)):
         self.bounds = bounds
         self.rate = rate
+        self.positions: list[float] = []  # a_j per draft position (empty: none seen yet)
 
-    def update(self, rate: float) -> None:
-        self.rate = min(max(rate, self.bounds[0]), self.bounds[1])
+    def _bounded(self, rate: float) -> float:
+        return min(max(rate, self.bounds[0]), self.bounds[1])
+
+    def start(self, positions: int) -> AcceptanceModel:
+        """A new request's acceptance model, starting from this prior."""
+        return AcceptanceModel(positions, self.rate, prior_positions=self.positions)
+
+    def update(self, acceptance: AcceptanceModel) -> None:
+        self.rate = self._bounded(acceptance.rate)
+        self.positions = [self._bounded(a) for a in acceptance.rates()]
 
 
 class AcceptanceModel:
@@ -104,9 +115,11 @@ class AcceptanceModel:
         shrink: float = 0.5,
         decay: float = 0.8,
         stale_decay: float = 0.97,
+        prior_positions: list[float] | tuple[float, ...] = (),
     ):
-        self.tried = [0.0] * positions  # index j-1: draft j
-        self.accepted = [0.0] * positions
+        prior = list(prior_positions[:positions])  # each starts as one cycle's evidence
+        self.tried = [1.0] * len(prior) + [0.0] * (positions - len(prior))  # index j-1: draft j
+        self.accepted = prior + [0.0] * (positions - len(prior))
         self.rate = prior_rate
         self.shrink, self.decay, self.stale_decay = shrink, decay, stale_decay
 
@@ -172,8 +185,7 @@ class BlockController:
         self.block_size = self.max_block  # the widest it may pick (reported as block_size)
         self.costs = costs
         self.prior, self.margin = prior, margin
-        start = {} if prior is None else {"prior_rate": prior.rate}
-        self.acceptance = AcceptanceModel(max(1, self.max_block - 1), **start)
+        self.acceptance = (prior or SharedPrior()).start(max(1, self.max_block - 1))
         self.min_gap, self.max_gap = probe_gap, max_probe_gap
         self.probe_block, self.probe_decay = probe_block, probe_decay
         self.probe_budget = probe_budget
@@ -318,7 +330,7 @@ class BlockController:
         decay = self.probe_decay if self.probing else None
         self.acceptance.observe(size - 1, accepted, decay)
         if self.prior is not None:
-            self.prior.update(self.acceptance.rate)
+            self.prior.update(self.acceptance)
         if self.probing:
             self.probing = False
             paid = self._best(self.max_block) > 1

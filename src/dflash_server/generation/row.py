@@ -332,16 +332,16 @@ class Row:
             logprobs = self._logprobs(processed, emitted)
         return Cycle(result, taps, size, logprobs, choice.source, choice.confidence, inputs=inputs)
 
-    def read(self, cycle: Cycle, seconds: float | None = None) -> Commit:
+    def read(self, cycle: Cycle, seconds: float | None = None, timed: bool = True) -> Commit:
         """Sync on a cycle (the one host sync per cycle) and commit its tokens: cut at an EOS
         id or ``max_tokens`` (``Commit.finish``), fed to the penalties, the suffix index and
         the constraint. The policy and stats learn from the cycle (``seconds``: what it cost
-        this row, a batch's share; else the time since the last read), the committed positions'
-        taps become drafter context; ``last`` is the next anchor, ``kept`` the verified
-        positions the caches keep (the driver's rollback)."""
+        this row, a batch's share; else the time since the last read, unless not ``timed``),
+        the committed positions' taps become drafter context; ``last`` is the next anchor,
+        ``kept`` the verified positions the caches keep (the driver's rollback)."""
         values = cast("list[int]", cycle.result.tolist())
         now = time.perf_counter()
-        if seconds is None and self._last_read is not None:
+        if seconds is None and self._last_read is not None and timed:
             seconds = now - self._last_read
         self._last_read = now
         accepted, bonus = values[0], values[1]
