@@ -17,9 +17,10 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from dflash_server.generation.controller import BlockController
-from dflash_server.generation.costs import CostModel
+from dflash_server.generation.costs import CostModel, context_past
 from dflash_server.generation.policy import SUFFIX, Choice, FixedBlock
 from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.row import Row
@@ -39,7 +40,7 @@ def measure_costs(
     draft: Drafter | None,
     *,
     context: int = 64,
-    long_context: int = 1024,
+    long_context: int = 4096,
     plain_steps: int = 8,
     budget_s: float = 3.0,
     calibrate: bool = True,
@@ -51,8 +52,9 @@ def measure_costs(
     prompt. Each is repeated 3 to 9 times (more when cheap; fewer once ``budget_s`` is spent)
     and the median kept; the curves are made non-decreasing in width (noise, not physics, makes
     a wider verify look cheaper). The other widths run once, untimed, so their compiled graphs
-    exist before a request needs them. The same pieces on a ``long_context``-token prompt give
-    each width's growth per context token (0: not measured). ``calibrate``: then decode a few
+    exist before a request needs them. The same pieces at a ``long_context``-token context (the
+    prompt's caches copied to fill it: no long prefill) give each width's growth per context
+    token (0: not measured). ``calibrate``: then decode a few
     real steps and cycles and start the corrections from what they took (``_calibrate``).
 
     ``widest``: verify widths up to this one are measured too (suffix copies verify without a
@@ -85,16 +87,16 @@ def measure_costs(
             short.drafting(width)()
     if long_context > context:
         deadline = None if fixed else time.perf_counter() + budget_s
-        long = _Pieces(target, draft, long_context, widest, plain_steps, deadline)
+        long = _Pieces(target, draft, long_context, widest, plain_steps, deadline, context)
         span = long_context - context
         grown = {1: long.timed(long.plain), **{w: long.timed(long.verify(w)) for w in widths}}
         shorter = {1: costs.plain, **costs.verify}
         costs.slope = _linear_in_width({w: (t - shorter[w]) / span for w, t in grown.items()})
         if draft is not None:
             costs.draft_reach = context_reach(draft)
-            costs.draft_slope = (
-                max(0.0, long.timed(long.drafting(block)) - costs.draft[block]) / span
-            )
+            reads = context_past(long_context, context, costs.draft_reach)  # its window's part
+            grown_draft = long.timed(long.drafting(block)) - costs.draft[block]
+            costs.draft_slope = max(0.0, grown_draft) / reads if reads else 0.0
     if calibrate:
         prompt = cast("list[int]", short.ids[0, :context].tolist())
         _calibrate(costs, target, draft, prompt, _widths(block))
@@ -116,13 +118,23 @@ class _Pieces:
         widest: int,
         plain_steps: int,
         deadline: float | None,
+        prefill: int | None = None,
     ) -> None:
+        """``prefill``: run only that many tokens and fill the rest of the ``context`` with
+        copies of them (``_fill``; a pass reading copies costs what one reading a real
+        prompt does), so a long context is timed without a long prefill."""
         self.target, self.draft, self.context = target, draft, context
         self.plain_steps, self.deadline = plain_steps, deadline
-        self.ids = mx.arange(1, context + widest + 1)[None] % 97 + 1
+        real = context if prefill is None else min(prefill, context)
+        self.ids = _tiled(mx.arange(1, real + 1)[None] % 97 + 1, context + widest)
         with mx.stream(generation_stream):
             self.cache = target.make_cache()
-            _, taps = target.forward(self.ids[:, :context], self.cache, slice(-1, None))
+            _, taps = target.forward(self.ids[:, :real], self.cache, slice(-1, None))
+            if real < context and _fill(self.cache, context):
+                taps = None if taps is None else _tiled(taps, context)
+            elif real < context:  # a cache it cannot fill: prefill the rest
+                _, more = target.forward(self.ids[:, real:context], self.cache, slice(-1, None))
+                taps = None if taps is None or more is None else mx.concatenate([taps, more], 1)
             self.draft_cache = draft.make_cache() if draft is not None else []
             if draft is not None:
                 assert taps is not None, "a target tapped for the drafter"
@@ -283,6 +295,26 @@ def _calibrate_copies(
         loop[width] = _low([b - a for a, b in itertools.pairwise(stamps[1:])])  # as ``_calibrate``
     for width, seconds in _rising(loop).items():
         costs.verify_residual[width] = math.log(seconds / costs.base(width, drafted=False))
+
+
+def _tiled(x: mx.array, length: int, axis: int = 1) -> mx.array:
+    """``x`` repeated along ``axis`` and cut at ``length``."""
+    reps = [1] * x.ndim
+    reps[axis] = -(-length // x.shape[axis])
+    return mx.tile(x, reps)[(slice(None),) * axis + (slice(0, length),)]
+
+
+def _fill(cache: list[Any], context: int) -> bool:
+    """Lengthen the attention caches to ``context`` positions with copies of what they hold
+    (recurrent states do not grow); False, changing nothing, where a cache is of another kind."""
+    if not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in cache):
+        return False
+    for c in cache:
+        if type(c) is KVCache:
+            keys, values = c.keys_and_values()
+            c.keys, c.values = _tiled(keys, context, 2), _tiled(values, context, 2)
+            c.offset = context
+    return True
 
 
 def _low(seconds: list[float]) -> float:
