@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 _PASS_ALPHA = 0.5  # weight of one observed pass (half shared by its kind, half its point's)
 _PASS_CLIP = math.log(3.0)  # one pass moves a residual by at most this (log) factor
-_EARLY, _EARLY_CLIP = 3, math.log(50.0)  # the first real speculative passes replace the load-time
-# calibration (their running mean, into the drift all speculative points share); later ones refine
+_EARLY, _EARLY_CLIP = 3, math.log(50.0)  # the first real speculative passes lower the load-time
+# calibration to the fastest of them (into the drift all speculative points share: a busy moment
+# only adds time); a slower one refines it as later passes do
 
 
 @dataclass
@@ -74,8 +75,9 @@ class PassCosts:
     def observe(self, rows: int, width: int, seconds: float, contexts: Sequence[int] = ()) -> float:
         """Fold a real pass's wall time into the curve (log space, clipped: one slow pass
         cannot flip the budget): half into the drift every point of its kind shares (a busy
-        measure inflated them all), half into its own point; the first speculative passes go
-        wholly into the drift (``_EARLY``). Return log(seconds / estimate)."""
+        measure inflated them all), half into its own point; the first speculative
+        passes, when faster than estimated, go wholly into the drift (``_EARLY``). Return
+        log(seconds / estimate)."""
         if not seconds > 0:
             return 0.0
         residuals, x = self._residuals(rows, width)
@@ -83,8 +85,8 @@ class PassCosts:
         error -= self._correction(rows, width)
         if width > 1:
             self.checked += 1
-            if self.checked <= _EARLY:
-                self.spec_drift += max(-_EARLY_CLIP, min(_EARLY_CLIP, error)) / self.checked
+            if self.checked <= _EARLY and error < 0:  # the calibration's error
+                self.spec_drift += max(-_EARLY_CLIP, error)
                 return error
         step = _PASS_ALPHA / 2 * max(-_PASS_CLIP, min(_PASS_CLIP, error))
         residuals[x] = (CostModel._interp(residuals, x) if residuals else 0.0) + step

@@ -25,8 +25,9 @@ from typing import Any
 _ALPHA = 0.25  # weight of one observed cycle in the running correction
 _SHARED = 0.2  # the pair's model moves this much of a request's step (many requests refine it)
 _CLIP = math.log(3.0)  # one observation moves the correction by at most this (log) factor
-# The first real drafted cycles replace the load-time calibration (their running mean, clipped
-# wide), which a busy moment may have inflated many times; later ones only refine it.
+# The first real drafted cycles lower the load-time calibration to the fastest of them (clipped
+# wide: a busy moment may have inflated it many times); a slower one only refines it, as later
+# cycles do (one slow first cycle once sent every row of a batch to plain decoding for good).
 _EARLY, _EARLY_CLIP = 3, math.log(50.0)
 
 
@@ -111,8 +112,9 @@ class CostModel:
     ) -> None:
         """Fold one real cycle's wall time into its width's residual (and a little into the
         shared drift, so widths not used lately follow a slower machine); the pair's model
-        (``shared``) takes a fraction of the step. The first ``_EARLY`` drafted cycles move
-        every drafted width by their running mean's error instead (the calibration's bias)."""
+        (``shared``) takes a fraction of the step. The first ``_EARLY`` drafted cycles, when
+        faster than estimated, move every drafted width by their error instead (the
+        calibration's bias: a busy moment only adds time)."""
         if not self.refine or not seconds > 0:
             return
         size = max(1, size)
@@ -121,9 +123,8 @@ class CostModel:
         residuals = self.residual if drafted or size == 1 else self.verify_residual
         if size > 1 and drafted:
             self.checked += 1
-            if self.checked <= _EARLY:  # the calibration's error, shared by every drafted width
-                step = max(weight * _ALPHA, 1 / self.checked)
-                error = step * max(-_EARLY_CLIP, min(_EARLY_CLIP, error))
+            if self.checked <= _EARLY and error < 0:  # the calibration's error: every width's
+                error = max(-_EARLY_CLIP, error)
                 widths = {size, *(w for w in residuals if w > 1)}
                 residuals.update({w: self._residual(w) + error for w in widths})
                 error = 0.0  # nothing left for the drift below
