@@ -54,8 +54,8 @@ def measure_costs(
     a wider verify look cheaper). The other widths run once, untimed, so their compiled graphs
     exist before a request needs them. The same pieces at a ``long_context``-token context (the
     prompt's caches copied to fill it: no long prefill) give each width's growth per context
-    token (0: not measured). ``calibrate``: then decode a few
-    real steps and cycles and start the corrections from what they took (``_calibrate``).
+    token (0: not measured). ``calibrate``: then decode a few real steps and cycles and start
+    the corrections from what they took (``_calibrate``).
 
     ``widest``: verify widths up to this one are measured too (suffix copies verify without a
     drafter pass and may be wider than its block), and calibrated as verify-only cycles;
