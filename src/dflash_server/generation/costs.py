@@ -161,8 +161,10 @@ class CostModel:
             f"{b}: {1e3 * self.cycle(b, bool(self.draft)):.1f}" for b in sorted(self.verify)
         )
         growth = ", ".join(f"{b}: {1e6 * s:.2f}" for b, s in sorted(self.slope.items()))
+        reach = "all of it" if self.draft_reach is None else f"{self.draft_reach} tokens"
         return (
             f"cycle cost (ms): plain step {1e3 * self.plain:.1f}; verify by width {{{verify}}}; "
             f"draft {{{draft}}}; in the loop by width {{{loop}}}; growth per context token "
-            f"(us) {{{growth}}} (measured in {self.measured_s:.1f} s)"
+            f"(us) {{{growth}}}, drafter {1e6 * self.draft_slope:.2f} over {reach} "
+            f"(measured in {self.measured_s:.1f} s)"
         )
