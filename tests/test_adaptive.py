@@ -317,6 +317,23 @@ def test_a_new_request_starts_from_the_last_ones_stopping_point():
     assert BlockController(16, costs(verify16=4.0), prior=flat).next_size(100) > 5
 
 
+@pytest.mark.parametrize("verify16", [2.0, 6.0])
+def test_a_new_request_remembers_where_a_wider_cycle_failed(verify16):
+    """Full 8-wide blocks say nothing past the eighth position; the one wider cycle that
+    failed there is what keeps the next request from a wider first cycle (or, the evidence
+    shrunk twice, a narrower one): it starts where the last one's estimate ended."""
+    from dflash_server.generation.controller import SharedPrior
+
+    prior = SharedPrior()
+    first = BlockController(16, costs(verify16=verify16), prior=prior)
+    first.observe(13, 7, None)  # drafts 1-7 right, the eighth wrong
+    for _ in range(5):
+        first.observe(8, 7, None)  # full (censored) blocks
+    second = BlockController(16, costs(verify16=verify16), prior=prior)
+    assert second.acceptance.rates()[7] == pytest.approx(first.acceptance.rates()[7], abs=0.02)
+    assert second.next_size(100) == 8
+
+
 def test_a_new_request_starts_from_the_last_ones_acceptance():
     from dflash_server.generation.controller import SharedPrior
 

@@ -31,6 +31,8 @@ from dflash_server.generation.costs import CostModel
 from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice, Source
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from dflash_server.generation.suffix import Proposal
 
 
@@ -75,27 +77,31 @@ class SuffixTrust:
 
 
 class SharedPrior:
-    """Where a new request's acceptance estimate starts: the latest per-cycle rate and
-    per-position rates any request on this pair saw (each kept within ``bounds``, so one
-    hopeless or perfect request never decides the next one's first cycles alone). The
-    positions matter: a pair that drafts 3 tokens right and then goes wrong reads as a flat
-    0.75 per draft, which undervalues a 4-wide block, until a request re-learns where it stops."""
+    """Where a new request's acceptance estimate starts: the latest per-cycle rate (kept within
+    ``bounds``, so one hopeless or perfect request never decides the next one's first cycles
+    alone) and the per-position evidence any request on this pair saw, at most one cycle's
+    worth per position. The positions matter: a pair that drafts 3 tokens right and then goes
+    wrong reads as a flat 0.75 per draft, which undervalues a 4-wide block; and a pair whose
+    full 8-wide blocks are all accepted must remember the one wider cycle that failed at the
+    ninth position, or every request pays that wider cycle again."""
 
     def __init__(self, rate: float = 0.75, bounds: tuple[float, float] = (0.2, 0.9)):
         self.bounds = bounds
         self.rate = rate
-        self.positions: list[float] = []  # a_j per draft position (empty: none seen yet)
-
-    def _bounded(self, rate: float) -> float:
-        return min(max(rate, self.bounds[0]), self.bounds[1])
+        self.positions: list[tuple[float, float]] = []  # (accepted, tried) per draft position
 
     def start(self, positions: int) -> AcceptanceModel:
         """A new request's acceptance model, starting from this prior."""
         return AcceptanceModel(positions, self.rate, prior_positions=self.positions)
 
     def update(self, acceptance: AcceptanceModel) -> None:
-        self.rate = self._bounded(acceptance.rate)
-        self.positions = [self._bounded(a) for a in acceptance.rates()]
+        low, high = self.bounds
+        self.rate = min(max(acceptance.rate, low), high)
+        # Counts, not rates: a shrunk rate taken as evidence would be shrunk twice.
+        weights = [min(t, 1.0) / t if t > 0 else 0.0 for t in acceptance.tried]
+        self.positions = [
+            (a * w, t * w) for a, t, w in zip(acceptance.accepted, acceptance.tried, weights)
+        ]
 
 
 class AcceptanceModel:
@@ -115,11 +121,12 @@ class AcceptanceModel:
         shrink: float = 0.5,
         decay: float = 0.8,
         stale_decay: float = 0.97,
-        prior_positions: list[float] | tuple[float, ...] = (),
+        prior_positions: Sequence[tuple[float, float]] = (),
     ):
-        prior = list(prior_positions[:positions])  # each starts as one cycle's evidence
-        self.tried = [1.0] * len(prior) + [0.0] * (positions - len(prior))  # index j-1: draft j
-        self.accepted = prior + [0.0] * (positions - len(prior))
+        prior = list(prior_positions[:positions])  # (accepted, tried) each
+        missing = [(0.0, 0.0)] * (positions - len(prior))
+        self.accepted = [a for a, _ in prior + missing]
+        self.tried = [t for _, t in prior + missing]  # index j-1: draft j
         self.rate = prior_rate
         self.shrink, self.decay, self.stale_decay = shrink, decay, stale_decay
 
