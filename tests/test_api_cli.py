@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from dflash_server.cli import build_parser, load_settings, main
-from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list_presets
+from dflash_server.config_files import DEFAULT_PRESET, SettingsError, list_presets
+from dflash_server.settings import Settings
 from server_fixtures import ServeProcess, build_draft, free_port
 
 

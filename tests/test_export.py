@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash_server.cli import main as cli_main
-from dflash_server.settings import list_presets
+from dflash_server.config_files import list_presets
 from dflash_server.tools.export import main
 
 TARGET = "lukey03/Qwen3.5-9B-abliterated"  # what the MLX 4-bit preset was converted from

@@ -238,7 +238,7 @@ def test_settings_are_checked() -> None:
         with pytest.raises(ValueError, match=message):
             check_kv_bits(bits, group)
     from dflash_server.cli import load_settings
-    from dflash_server.settings import SettingsError
+    from dflash_server.config_files import SettingsError
 
     with pytest.raises(SettingsError, match="--kv-bits: must be one of 2, 3, 4, 5, 6, 8, got 7"):
         load_settings(["--kv-bits", "7"])

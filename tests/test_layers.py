@@ -13,7 +13,17 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dflash_server"
 
 # Lowest first. A module may import its own layer and the ones listed before it.
-LAYERS = ["models", "generation", "chat", "engine", "settings", "api", "tools", "cli"]
+LAYERS = [
+    "models",
+    "generation",
+    "chat",
+    "engine",
+    "config_files",
+    "settings",
+    "api",
+    "tools",
+    "cli",
+]
 # Outside the stack: the package face (the Python API) and the offline model builders.
 ABOVE_ALL = {"__init__": set(LAYERS) - {"cli"}, "testing": {"models", "generation"}}
 

@@ -17,6 +17,7 @@ from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from dflash_server.config_files import DEFAULT_PRESET, SettingsError, list_presets
 from dflash_server.engine.blas import blas_hint
 from dflash_server.engine.distributed import world
 from dflash_server.engine.loader import (
@@ -25,7 +26,7 @@ from dflash_server.engine.loader import (
     resolve_draft,
     resolve_model,
 )
-from dflash_server.settings import DEFAULT_PRESET, Settings, SettingsError, list_presets
+from dflash_server.settings import Settings
 
 log = logging.getLogger("dflash_server")
 

@@ -2,14 +2,11 @@
 
 Precedence, highest first: command-line flags > environment (``DFLASH_*``) > config file
 (``--config``, TOML or JSON; a bare name picks a preset shipped in ``dflash_server/presets``) >
-defaults. When no
-layer names a model at all, the default preset supplies target and drafter.
+defaults. When no layer names a model at all, the default preset supplies target and drafter.
 """
 
 from __future__ import annotations
 
-import importlib.resources
-import json
 import os
 from contextvars import ContextVar
 from pathlib import Path
@@ -24,11 +21,13 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
+from dflash_server.config_files import (
+    DEFAULT_PRESET,
+    ConfigFileSource,
+    SettingsError,
+    find_config,
+    read_config_file,
+)
 from dflash_server.generation.kv_quant import (
     KV_BITS,
     KV_GROUP_SIZES,
@@ -37,74 +36,9 @@ from dflash_server.generation.kv_quant import (
 )
 from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
 
-DEFAULT_PRESET = "qwen3.5-4b"
-# Presets are package data, so a wheel install has them; the repo's configs/ links here.
-PRESETS = Path(str(importlib.resources.files("dflash_server") / "presets"))
-
-
-class SettingsError(ValueError):
-    """A configuration problem the user can fix; the CLI prints it as one line."""
-
-
-def find_config(name_or_path: str | os.PathLike[str]) -> Path:
-    """Resolve ``--config``: an existing file, else a shipped preset's name (``qwen3.5-9b``)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path
-    for suffix in ("", ".toml", ".json"):
-        candidate = PRESETS / f"{name_or_path}{suffix}"
-        if candidate.is_file():
-            return candidate
-    raise SettingsError(
-        f"config file or preset {str(name_or_path)!r} not found "
-        f"(presets: {', '.join(list_presets()) or 'none'})"
-    )
-
-
-def list_presets() -> list[str]:
-    """Names of the shipped presets."""
-    if not PRESETS.is_dir():
-        return []
-    return sorted(p.stem for p in PRESETS.glob("*.toml"))
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Flat TOML/JSON mapping of setting names (dashes or underscores) to values."""
-    try:
-        if path.suffix == ".json":
-            data = json.loads(path.read_text())
-        else:
-            data = tomllib.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SettingsError(f"cannot read config {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise SettingsError(f"config {path} must hold a table of settings")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
-
-
 # Set by Settings.load() when no layer names a model: the default preset then sits beneath
 # the user's config file inside the config-file layer.
 _BASE_PRESET: ContextVar[str | None] = ContextVar("_BASE_PRESET", default=None)
-
-
-class _ConfigFileSource(PydanticBaseSettingsSource):
-    """The config-file layer; files are merged in order, later ones winning."""
-
-    def __init__(self, settings_cls: type[BaseSettings], paths: list[str]) -> None:
-        super().__init__(settings_cls)
-        self._data: dict[str, Any] = {}
-        for name in paths:
-            data = read_config_file(find_config(name))
-            unknown = sorted(set(data) - set(settings_cls.model_fields) - {"config"})
-            if unknown:
-                raise SettingsError(f"unknown setting(s) in config {name}: {', '.join(unknown)}")
-            self._data.update(data)
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return self._data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._data)
 
 
 # The sampling defaults: SamplingParams' fields and bounds, with the server's own default
@@ -366,7 +300,7 @@ class Settings(BaseSettings, _SamplingDefaults):
         cli = getattr(init_settings, "init_kwargs", {})
         config_path = cli.get("config") or os.environ.get("DFLASH_CONFIG")
         paths = [p for p in (_BASE_PRESET.get(), config_path) if p]
-        return init_settings, env_settings, _ConfigFileSource(settings_cls, paths)
+        return init_settings, env_settings, ConfigFileSource(settings_cls, paths)
 
     @classmethod
     def load(cls, **cli: Any) -> Settings:

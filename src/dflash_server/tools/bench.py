@@ -258,6 +258,7 @@ def _ratio(row: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from dflash_server.config_files import SettingsError
     from dflash_server.engine.blas import blas_hint
     from dflash_server.engine.loader import (
         TARGET_PATTERNS,
@@ -266,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_draft,
         resolve_model,
     )
-    from dflash_server.settings import Settings, SettingsError
+    from dflash_server.settings import Settings
 
     if args.concurrency and args.modes == DEFAULT_MODES:
         args.modes = "plain,auto"

@@ -23,7 +23,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dflash_server.settings import Settings, SettingsError
+from dflash_server.config_files import SettingsError
+from dflash_server.settings import Settings
 
 # What the model cards use for the z-lab Qwen3.5 drafters (all trained with 16-token blocks).
 MTP_BLOCK_SIZE = 4  # the anchor and 3 drafts: what the peers run Qwen3.5 MTP with
