@@ -97,10 +97,11 @@ class SharedPrior:
     def update(self, acceptance: AcceptanceModel) -> None:
         low, high = self.bounds
         self.rate = min(max(acceptance.rate, low), high)
-        # Counts, not rates: a shrunk rate taken as evidence would be shrunk twice.
-        weights = [min(t, 1.0) / t if t > 0 else 0.0 for t in acceptance.tried]
+        # Counts, not rates (a shrunk rate taken as evidence would be shrunk twice), each
+        # scaled down to at most one cycle's worth.
         self.positions = [
-            (a * w, t * w) for a, t, w in zip(acceptance.accepted, acceptance.tried, weights)
+            (a / max(t, 1.0), t / max(t, 1.0))
+            for a, t in zip(acceptance.accepted, acceptance.tried)
         ]
 
 
