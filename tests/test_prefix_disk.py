@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
 from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.prefix import PromptSnapshot
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from dflash_server.testing import random_drafter
@@ -274,3 +277,33 @@ def test_a_folder_that_cannot_be_made_leaves_the_ram_tier(models, tmp_path: Path
     tokens, cached = run(model, draft, tokenizer, prompt, cache)
     assert tokens == cold and cached == len(prompt.tokens) - 1
     cache.close()
+
+
+@pytest.mark.parametrize("room", [2.0, 0.5])  # snapshots' worth of queue
+def test_a_slow_disk_makes_saves_wait_and_none_is_dropped(
+    tmp_path: Path, monkeypatch, room: float
+) -> None:
+    """Snapshots waiting for the writer are held in memory: past ``max_pending`` bytes (one may
+    always wait, however large) ``save`` waits for the writer instead of growing or dropping."""
+    import mlx.core as mx
+
+    gate, write = threading.Event(), PrefixDisk._write
+    monkeypatch.setattr(PrefixDisk, "_write", lambda self, *a: gate.wait() and write(self, *a))
+    keys = mx.zeros((1, 2, 8, 4))
+    mx.eval(keys)  # as the worker's snapshots are: the writer thread only reads them
+    snaps = [PromptSnapshot(tuple(range(i, i + 8)), [(keys, keys)], None) for i in range(3)]
+    size = snaps[0].nbytes
+    disk = PrefixDisk(tmp_path, BIG, "m", max_pending=int(room * size))
+    saver = threading.Thread(target=lambda: [disk.save(("k",), s) for s in snaps])
+    saver.start()
+    queued = max(1, int(room)) * size
+    deadline = time.monotonic() + 10
+    while disk.pending < queued and time.monotonic() < deadline:
+        time.sleep(0.01)
+    saver.join(0.3)
+    assert saver.is_alive() and disk.stats()["pending_bytes"] == queued  # the rest waits
+    gate.set()
+    saver.join(10)
+    disk.flush()
+    assert not saver.is_alive() and disk.pending == 0 and disk.stats()["writes"] == 3
+    disk.close()

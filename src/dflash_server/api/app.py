@@ -79,7 +79,10 @@ def build_loader(
                 if group is not None:  # each rank keeps its own shard's entries
                     folder = folder / f"rank{group.rank()}-of-{group.size()}"
                 budget = settings.prefix_cache_disk_bytes
-                prefix_cache.add_disk(PrefixDisk(folder, budget, models.summary.fingerprint))
+                # Snapshots queued for writing add at most a quarter to the RAM tier's memory.
+                queued = prefix_cache.budget // 4
+                disk = PrefixDisk(folder, budget, models.summary.fingerprint, max_pending=queued)
+                prefix_cache.add_disk(disk)
             log.info("prefix cache: %s", prefix_cache.describe())
         return models
 

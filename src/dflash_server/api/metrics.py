@@ -276,7 +276,14 @@ class _EngineGauges(Collector):
                 yield CounterMetricFamily(
                     f"dflash_prefix_cache_{name}", f"prefix cache lookups ({name})", stats[name]
                 )
-        for name in ("entries", "bytes", "budget_bytes", "disk_entries", "disk_bytes"):
+        for name in (
+            "entries",
+            "bytes",
+            "budget_bytes",
+            "disk_entries",
+            "disk_bytes",
+            "disk_pending_bytes",
+        ):
             if name in stats:
                 yield GaugeMetricFamily(
                     f"dflash_prefix_cache_{name}", f"prefix cache {name}", stats[name]

@@ -131,10 +131,10 @@ class PrefixCache:
         for entry in evicted:
             self._spill(entry)
 
-    def _spill(self, entry: _Entry) -> None:
+    def _spill(self, entry: _Entry, bounded: bool = True) -> None:
         if self.disk is not None and not entry.on_disk:
             entry.on_disk = True
-            self.disk.save(entry.kind, entry.snapshot)
+            self.disk.save(entry.kind, entry.snapshot, bounded)
 
     def close(self) -> None:
         """On shutdown: what is only in RAM goes to the disk tier (if any), writes finish."""
@@ -143,7 +143,7 @@ class PrefixCache:
         with self._lock:
             entries = list(self._entries.values())
         for entry in entries:
-            self._spill(entry)
+            self._spill(entry, bounded=False)  # held in RAM already: no need to wait
         self.disk.close()
 
     @staticmethod

@@ -7,7 +7,9 @@ checksum of all of that and of every tensor (name, dtype, shape, bytes), verifie
 read back: a damaged snapshot would silently change answers. Damaged files, truncated ones and
 older files without a checksum are removed with a warning (the request prefills cold); files of
 other models and foreign files are left alone with a warning. The oldest files go when the folder
-outgrows its budget. A file is written under ``.partial/``, synced, then renamed into the folder,
+outgrows its budget. Snapshots waiting to be written are held in memory beyond the RAM tier's
+budget: at most ``max_pending`` bytes of them, after which ``save`` waits for the writer (never
+drops one, so every rank of a group keeps the same files). A file is written under ``.partial/``, synced, then renamed into the folder,
 so a killed process leaves no torn entry (the next start deletes what ``.partial/`` holds); a
 folder that cannot be written (read-only, full) gets one warning and no more writes.
 """
@@ -106,12 +108,16 @@ def _digest(meta: dict[str, str], arrays: dict[str, mx.array], threads: int = 1)
 class PrefixDisk:
     """Snapshots in ``folder`` (up to ``budget`` bytes) for the models with ``fingerprint``."""
 
-    def __init__(self, folder: str | Path, budget: int, fingerprint: str) -> None:
+    def __init__(
+        self, folder: str | Path, budget: int, fingerprint: str, max_pending: int = 1 << 30
+    ) -> None:
         self.folder = Path(folder).expanduser()
         self.budget, self.fingerprint = budget, fingerprint
         self._files: dict[Path, _File] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[tuple, PromptSnapshot] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[tuple, PromptSnapshot, int] | None] = queue.Queue()
+        self.max_pending, self.pending = max_pending, 0  # bytes queued, not yet written
+        self._written = threading.Condition()  # signalled as the writer frees pending bytes
         self.writes = self.reads = self.rejected = 0
         self.writable = True  # False after a write failed (read-only or full): RAM tier only
         try:
@@ -167,6 +173,7 @@ class PrefixDisk:
                 "reads": self.reads,
                 "rejected": self.rejected,  # files that failed verification, removed
                 "writable": int(self.writable),
+                "pending_bytes": self.pending,  # queued for writing, held in memory
             }
 
     def _index(self, path: Path) -> None:
@@ -266,10 +273,23 @@ class PrefixDisk:
 
     # ----- writing (background thread) -------------------------------------------------------
 
-    def save(self, kind: tuple, snapshot: PromptSnapshot) -> None:
-        """Queue a snapshot for writing; returns at once (drops it when writing has stopped)."""
-        if self.writable:
-            self._queue.put((kind, snapshot))
+    def save(self, kind: tuple, snapshot: PromptSnapshot, bounded: bool = True) -> None:
+        """Queue a snapshot for writing (dropped when writing has stopped). With more than
+        ``max_pending`` bytes queued it first waits for the writer (``bounded``: at shutdown
+        the snapshots are held in RAM anyway), so memory cannot grow with a slow disk."""
+        nbytes = snapshot.nbytes
+        with self._written:
+            while (
+                bounded
+                and self.writable
+                and self.pending
+                and self.pending + nbytes > self.max_pending
+            ):
+                self._written.wait()
+            if not self.writable:
+                return
+            self.pending += nbytes
+        self._queue.put((kind, snapshot, nbytes))
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued writes (bounded by ``timeout``)."""
@@ -282,12 +302,17 @@ class PrefixDisk:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
+            kind, snapshot, nbytes = item
             try:
                 if self.writable:
-                    self._write(*item)
+                    self._write(kind, snapshot)
             except Exception:
                 log.exception("prefix cache: writing a snapshot failed")
             finally:
+                del item, snapshot  # its arrays are freed before a waiting save goes on
+                with self._written:
+                    self.pending -= nbytes
+                    self._written.notify_all()
                 self._queue.task_done()
 
     def _write(self, kind: tuple, snapshot: PromptSnapshot) -> None:
