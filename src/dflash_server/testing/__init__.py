@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# The tokenizer builders live in testing/tokenizer.py; imported from here as they always were.
+# The replaying test double (testing/replay.py) and the tokenizer builders (testing/tokenizer.py),
+# imported from here as they always were.
+from dflash_server.testing.replay import ReplayDrafter as ReplayDrafter
 from dflash_server.testing.tokenizer import _CORPUS as _CORPUS
 from dflash_server.testing.tokenizer import PRETOKENIZE_REGEX as PRETOKENIZE_REGEX
 from dflash_server.testing.tokenizer import SPECIAL_TOKENS as SPECIAL_TOKENS
@@ -336,74 +338,3 @@ def random_dflash2_drafter(
     selector.successor_codebook = mx.random.normal(shape)
     mx.eval(draft.parameters())
     return draft.bind(model)
-
-
-class ReplayDrafter:
-    """Test double: drafts the target's own future tokens, with planted mistakes.
-
-    ``reference`` is prompt + the target's greedy output. In a row's cycle c the first
-    ``accept_pattern[c % len]`` drafts are right and the next one is wrong, so every acceptance
-    length (and full blocks) can be forced. ``inner``, a real drafter, runs alongside on the same
-    context: it gives the config (block size, taps, mask id) and a realistic draft cost. Rows
-    that share one double (the same reference) draft together as the real drafter's do.
-    """
-
-    def __init__(
-        self, reference: Sequence[int], accept_pattern: Sequence[int], inner: DFlashDraftModel
-    ):
-        import weakref
-
-        self.reference, self.pattern, self.inner = list(reference), list(accept_pattern), inner
-        self.config = inner.config
-        self.family = inner.family
-        # Cycles so far per row, keyed by the row's first context cache.
-        self.cycles: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-
-    def bind(self, target: Any) -> ReplayDrafter:
-        self.inner.bind(target)
-        return self
-
-    def make_cache(self) -> list[Any]:
-        return self.inner.make_cache()
-
-    def set_window(self, window: int | None) -> int | None:
-        return self.inner.set_window(window)
-
-    def append_context(self, target_hidden: Any, cache: list[Any], tokens: Any = None) -> None:
-        self.inner.append_context(target_hidden, cache, tokens)
-
-    def propose(
-        self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any
-    ):
-        """The drafter contract (see ``DFlashDraftModel.propose``) over the planted logits."""
-        real = self.inner(block_ids, target_hidden, cache, logits_start=1)
-        return sampler.propose(self.planted(block_ids, cache, real)[0], history)
-
-    def propose_rows(self, rows: Sequence[Any]) -> list[Any]:
-        """The optional batched contract: the real drafter's pass for all rows at once where
-        it can, then each row's planted logits."""
-        if len(rows) < 2 or not self.inner.drafts_together(rows):
-            return [row.propose() for row in rows]
-        reals = self.inner.block_logits_together(rows)
-        return [
-            r.sampler.propose(self.planted(r.block, r.cache, real)[0], r.history)
-            for r, real in zip(rows, reals)
-        ]
-
-    def planted(self, block_ids: Any, cache: list[Any], real: Any):
-        """Planted logits for block positions 1.. of a row whose real ones (context already
-        appended) are ``real``."""
-        import mlx.core as mx
-
-        anchor = cache[0].offset  # absolute position of block position 0
-        cycle = self.cycles.get(cache[0], 0)
-        self.cycles[cache[0]] = cycle + 1
-        right = self.pattern[cycle % len(self.pattern)]
-        vocab = real.shape[-1]
-        planted = []
-        for j in range(1, block_ids.shape[1]):
-            token = self.reference[anchor + j] if anchor + j < len(self.reference) else 0
-            planted.append(token if j <= right else (token + 1) % vocab)
-        rows = mx.array(planted)
-        logits = mx.where(mx.arange(vocab) == rows[:, None], 30.0, -30.0)[None]
-        return logits + 0 * real  # keep the real draft in the graph so its cost is paid
