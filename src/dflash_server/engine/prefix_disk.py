@@ -1,33 +1,28 @@
 """The prefix cache's optional disk tier: snapshots as safetensors files, across restarts.
 
-Files are written from a background thread (the worker only queues them) and read back on a RAM
-miss. Each file's safetensors metadata holds the models' fingerprint, the snapshot kind, its token
-ids and checkpoint positions, so the index is rebuilt at startup from the headers alone, plus a
-checksum of all of that and of every tensor (name, dtype, shape, bytes), verified when the file is
-read back: a damaged snapshot would silently change answers. Damaged files, truncated ones and
-older files without a checksum are removed with a warning (the request prefills cold); files of
-other models and foreign files are left alone with a warning. The oldest files go when the folder
-outgrows its budget. Snapshots waiting to be written are held in memory beyond the RAM tier's
-budget: at most ``max_pending`` bytes of them, after which ``save`` waits for the writer (never
-drops one, so every rank of a group keeps the same files). A file is written under ``.partial/``, synced, then renamed into the folder,
-so a killed process leaves no torn entry (the next start deletes what ``.partial/`` holds); a
+Files (``prefix_file.py``: the snapshot's tensors, its metadata and their checksum) are written
+from a background thread (the worker only queues them) and read back on a RAM miss; the index is
+rebuilt at startup from the headers alone, and a file's checksum is verified when it is read
+back. Damaged files, truncated ones and older files without a checksum are removed with a
+warning (the request prefills cold); files of other models and foreign files are left alone
+with a warning. The oldest files go when the folder outgrows its budget. Snapshots waiting to be
+written are held in memory beyond the RAM tier's budget: at most ``max_pending`` bytes of them,
+after which ``save`` waits for the writer (it never drops one, so every rank of a group keeps
+the same files). A file is written under ``.partial/``, synced, then renamed into the folder, so
+a killed process leaves no torn entry (the next start deletes what ``.partial/`` holds); a
 folder that cannot be written (read-only, full) gets one warning and no more writes.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import queue
 import re
-import struct
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -35,26 +30,22 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from dflash_server.generation.prefix import (
-    Checkpoint,
-    LayerKV,
-    PromptSnapshot,
-    QuantKV,
-    common_prefix,
-    layer_arrays,
-    restorable,
+from dflash_server.engine.prefix_file import (
+    FORMAT,
+    Damaged,
+    decode,
+    digest,
+    encode,
+    kind_of,
+    read_header,
+    stored_tokens,
 )
+from dflash_server.generation.prefix import PromptSnapshot, common_prefix, restorable
 
 log = logging.getLogger("dflash_server")
-FORMAT = "dflash-prefix-2"  # -1: no checksum
-CHECKSUM = "sha256"  # hardware-accelerated on x86 and Apple silicon: ~2 GB/s a core
 READ_THREADS = min(8, os.cpu_count() or 1)  # a request waits for the check: hash in parallel
 PARTIAL = ".partial"  # the subfolder files are written in before their rename into the folder
 _OURS = re.compile(r"[0-9a-f]{32}\.safetensors")  # the names _write gives
-
-
-class Damaged(ValueError):
-    """A file of ours that cannot be trusted: it is removed."""
 
 
 @dataclass
@@ -68,41 +59,6 @@ class _File:
 
     def restorable(self, limit: int) -> int:
         return restorable(limit, self.recurrent, self.checkpoints)
-
-
-def _read_header(path: Path) -> dict[str, str]:
-    """The metadata; raises if the header is broken or the tensors overrun the file."""
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        if size > 64 * 2**20:
-            raise ValueError("header too large")
-        header = json.loads(f.read(size))
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if 8 + size + end != path.stat().st_size:
-        raise ValueError(f"{path.stat().st_size} bytes, the header describes {8 + size + end}")
-    return header.get("__metadata__") or {}
-
-
-def _digest(meta: dict[str, str], arrays: dict[str, mx.array], threads: int = 1) -> str:
-    """Checksum of the metadata (but the checksum itself) and of every tensor's name, dtype,
-    shape and bytes; the tensors are hashed on ``threads`` threads (hashlib frees the GIL)."""
-
-    def tensor(name: str) -> bytes:
-        a = arrays[name]
-        h = hashlib.new(CHECKSUM, json.dumps([name, str(a.dtype), a.shape]).encode())
-        h.update(memoryview(a))  # type: ignore[arg-type]  # mx.array is a buffer (row-contiguous)
-        return h.digest()
-
-    names = sorted(arrays)
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        digests = list(pool.map(tensor, names))
-    h = hashlib.new(CHECKSUM)
-    h.update(
-        json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode()
-    )
-    for digest in digests:
-        h.update(digest)
-    return f"{CHECKSUM}:{h.hexdigest()}"
 
 
 class PrefixDisk:
@@ -179,7 +135,7 @@ class PrefixDisk:
     def _index(self, path: Path) -> None:
         ours = _OURS.fullmatch(path.name) is not None
         try:
-            meta = _read_header(path)
+            meta = read_header(path)
             if meta.get("format") != FORMAT:
                 if str(meta.get("format", "")).startswith("dflash-prefix-"):
                     raise Damaged(f"{meta['format']}: written without a checksum")
@@ -187,10 +143,10 @@ class PrefixDisk:
             if meta.get("fingerprint") != self.fingerprint:  # still good for those models
                 log.warning("prefix cache: %s belongs to other models; ignored", path.name)
                 return
-            tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype=np.int32)
+            tokens = stored_tokens(meta)
             entry = _File(
                 path,
-                _kind(meta["kind"]),
+                kind_of(meta),
                 tokens.astype(np.int64),
                 tuple(json.loads(meta["checkpoints"])),
                 meta["recurrent"] == "1",
@@ -244,32 +200,12 @@ class PrefixDisk:
         loaded = mx.load(str(entry.path), return_metadata=True)
         arrays, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", loaded)
         mx.eval(arrays)  # read it all now: what is verified is what gets restored
-        if _digest(meta, arrays, READ_THREADS) != meta.get("checksum"):
+        if digest(meta, arrays, READ_THREADS) != meta.get("checksum"):
             raise Damaged("checksum mismatch")
-        tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype=np.int32)
-        stored_kind = _kind(meta["kind"])
-        if stored_kind != entry.kind or not np.array_equal(tokens, entry.tokens):
+        snapshot = decode(arrays, meta)
+        if kind_of(meta) != entry.kind or not np.array_equal(snapshot.tokens, entry.tokens):
             raise Damaged("changed since it was indexed")
-        # Per target layer: "kv", "recurrent", or "kv:<bits>:<group size>" (quantized).
-        layers = json.loads(meta["layers"])
-        kv = [_stored_kv(arrays, i, kind) for i, kind in enumerate(layers)]
-        n_draft = int(meta["draft_layers"])
-        draft_kv = [_stored_pair(arrays, f"draft.{i}") for i in range(n_draft)] if n_draft else None
-        checkpoints: dict[int, Checkpoint] = {}
-        for p, (slots, windowed) in json.loads(meta["checkpoints_layout"]).items():
-            recurrent = [
-                [arrays.get(f"ckpt.{p}.{j}.{k}") for k in range(n)] for j, n in enumerate(slots)
-            ]
-            draft = [_pair(arrays, f"dckpt.{p}.{i}") for i in range(n_draft)] if windowed else None
-            checkpoints[int(p)] = Checkpoint(recurrent, draft)
-        if any(
-            a.shape[-2] != len(tokens)
-            for pair in kv
-            if pair is not None
-            for a in layer_arrays(pair)
-        ):
-            raise Damaged(f"attention KV of another length than its {len(tokens)} tokens")
-        return PromptSnapshot(tuple(int(t) for t in tokens), kv, draft_kv, checkpoints)
+        return snapshot
 
     # ----- writing (background thread) -------------------------------------------------------
 
@@ -316,42 +252,7 @@ class PrefixDisk:
                 self._queue.task_done()
 
     def _write(self, kind: tuple, snapshot: PromptSnapshot) -> None:
-        arrays: dict[str, mx.array] = {}
-        layers = []
-        for i, pair in enumerate(snapshot.kv):
-            if isinstance(pair, QuantKV):
-                layers.append(f"kv:{pair.bits}:{pair.group_size}")
-                for part, (keys, values) in enumerate(zip(pair.keys, pair.values)):
-                    arrays[f"kv.{i}.keys.{part}"], arrays[f"kv.{i}.values.{part}"] = keys, values
-            else:
-                layers.append("recurrent" if pair is None else "kv")
-                if pair is not None:
-                    arrays[f"kv.{i}.keys"], arrays[f"kv.{i}.values"] = pair
-        for i, pair in enumerate(snapshot.draft_kv or []):
-            arrays[f"draft.{i}.keys"], arrays[f"draft.{i}.values"] = pair
-        layout = {}  # position -> (slots per recurrent layer, whether drafter windows are kept)
-        for p, checkpoint in snapshot.checkpoints.items():
-            for j, slots in enumerate(checkpoint.recurrent):
-                arrays |= {f"ckpt.{p}.{j}.{k}": a for k, a in enumerate(slots) if a is not None}
-            for i, pair in enumerate(checkpoint.draft or []):
-                if pair is not None:
-                    arrays[f"dckpt.{p}.{i}.keys"], arrays[f"dckpt.{p}.{i}.values"] = pair
-            layout[p] = ([len(s) for s in checkpoint.recurrent], checkpoint.draft is not None)
-        arrays = {k: mx.contiguous(a) for k, a in arrays.items()}  # a copy only where sliced
-        mx.eval(arrays)
-        tokens = np.asarray(snapshot.tokens, dtype=np.int32)
-        meta = {
-            "format": FORMAT,
-            "fingerprint": self.fingerprint,
-            "kind": json.dumps(list(kind)),
-            "tokens": base64.b64encode(tokens.tobytes()).decode(),
-            "checkpoints": json.dumps(sorted(snapshot.checkpoints)),
-            "checkpoints_layout": json.dumps(layout),
-            "recurrent": "1" if snapshot.recurrent else "0",
-            "layers": json.dumps(layers),
-            "draft_layers": str(len(snapshot.draft_kv or [])),
-        }
-        meta["checksum"] = _digest(meta, arrays)
+        arrays, meta = encode(snapshot, kind, self.fingerprint)
         name = f"{uuid.uuid4().hex}.safetensors"
         partial = self.folder / PARTIAL / name
         try:
@@ -392,40 +293,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _as_tuple(value: object) -> object:
-    """JSON lists back into the nested tuples a snapshot kind is made of."""
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
-
-
-def _kind(text: str) -> tuple:
-    """A snapshot kind as stored (JSON) back into its tuple."""
-    kind = _as_tuple(json.loads(text))
-    if not isinstance(kind, tuple):
-        raise Damaged(f"snapshot kind {text[:40]!r} is not a list")
-    return kind
-
-
-def _stored_kv(arrays: dict[str, mx.array], i: int, kind: str) -> LayerKV | None:
-    """Target layer ``i``'s stored attention KV (None: a recurrent layer)."""
-    if kind == "recurrent":
-        return None
-    if kind == "kv":
-        return _stored_pair(arrays, f"kv.{i}")
-    _, bits, group_size = kind.split(":")
-    keys = tuple(arrays[f"kv.{i}.keys.{part}"] for part in range(3))
-    values = tuple(arrays[f"kv.{i}.values.{part}"] for part in range(3))
-    return QuantKV(keys, values, int(bits), int(group_size))  # type: ignore[arg-type]
-
-
-def _pair(arrays: dict[str, mx.array], prefix: str) -> tuple[mx.array, mx.array] | None:
-    keys = arrays.get(f"{prefix}.keys")
-    return None if keys is None else (keys, arrays[f"{prefix}.values"])
-
-
-def _stored_pair(arrays: dict[str, mx.array], prefix: str) -> tuple[mx.array, mx.array]:
-    pair = _pair(arrays, prefix)
-    if pair is None:
-        raise Damaged(f"{prefix} is missing")
-    return pair
