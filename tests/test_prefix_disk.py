@@ -307,3 +307,30 @@ def test_a_slow_disk_makes_saves_wait_and_none_is_dropped(
     disk.flush()
     assert not saver.is_alive() and disk.pending == 0 and disk.stats()["writes"] == 3
     disk.close()
+
+
+def test_a_stalled_disk_stops_the_writes_instead_of_the_worker(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """A write that never finishes (a hung disk): a save waiting for room gives up after
+    ``STALLED_S`` with one warning and the tier stops writing, as after a failed write."""
+    import mlx.core as mx
+
+    from dflash_server.engine import prefix_disk
+
+    gate, write = threading.Event(), PrefixDisk._write
+    monkeypatch.setattr(PrefixDisk, "_write", lambda self, *a: gate.wait() and write(self, *a))
+    monkeypatch.setattr(prefix_disk, "STALLED_S", 0.2)
+    keys = mx.zeros((1, 2, 8, 4))
+    mx.eval(keys)
+    snaps = [PromptSnapshot(tuple(range(i, i + 8)), [(keys, keys)], None) for i in range(2)]
+    disk = PrefixDisk(tmp_path, BIG, "m", max_pending=snaps[0].nbytes)
+    with caplog.at_level(logging.WARNING, logger="dflash_server"):
+        for s in snaps:
+            disk.save(("k",), s)  # the second waits 0.2 s, then returns
+    assert not disk.writable and caplog.text.count("no write finished in 0.2 s") == 1
+    gate.set()
+    disk.flush()
+    # The write in flight ends when the disk comes back; the one that waited was never queued.
+    assert disk.pending == 0 and disk.stats()["writes"] == 1
+    disk.close()

@@ -45,6 +45,7 @@ from dflash_server.generation.prefix import PromptSnapshot, common_prefix, resto
 log = logging.getLogger("dflash_server")
 READ_THREADS = min(8, os.cpu_count() or 1)  # a request waits for the check: hash in parallel
 PARTIAL = ".partial"  # the subfolder files are written in before their rename into the folder
+STALLED_S = 60.0  # a full write queue that no write leaves in this long: the disk has stalled
 _OURS = re.compile(r"[0-9a-f]{32}\.safetensors")  # the names _write gives
 
 
@@ -212,7 +213,8 @@ class PrefixDisk:
     def save(self, kind: tuple, snapshot: PromptSnapshot, bounded: bool = True) -> None:
         """Queue a snapshot for writing (dropped when writing has stopped). With more than
         ``max_pending`` bytes queued it first waits for the writer (``bounded``: at shutdown
-        the snapshots are held in RAM anyway), so memory cannot grow with a slow disk."""
+        the snapshots are held in RAM anyway), so memory cannot grow with a slow disk; a disk
+        that finishes no write for ``STALLED_S`` stops the writes, as a failed one does."""
         nbytes = snapshot.nbytes
         with self._written:
             while (
@@ -221,7 +223,8 @@ class PrefixDisk:
                 and self.pending
                 and self.pending + nbytes > self.max_pending
             ):
-                self._written.wait()
+                if not self._written.wait(STALLED_S):  # a hung disk must not hang the worker
+                    self._stop_writing(TimeoutError(f"no write finished in {STALLED_S:g} s"))
             if not self.writable:
                 return
             self.pending += nbytes
