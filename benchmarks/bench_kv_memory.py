@@ -3,7 +3,8 @@
 For each ``--lengths`` prompt (random token ids) and each ``--bits`` setting ("none" = full
 precision), two runs, each from ``mx.clear_cache()`` + ``mx.reset_peak_memory()``:
 
-* ``dflash``: ours (``stream_generate``, a published-shape drafter, block 16, greedy);
+* ``dflash``: ours (``stream_generate``, a published-shape drafter, block 16, greedy, the
+  server's default drafter window);
 * ``mlx-lm``: mlx-lm's own ``generate_step`` with the same ``kv_bits``;
 
 both with ``--kv-group-size`` and ``quantized_kv_start=0`` (quantized from the first chunk on)
@@ -33,6 +34,7 @@ from mlx_lm.generate import generate_step
 from common import bench_target, published_drafter
 from dflash_server.generation.kv_memory import bytes_per_position, kv_geometry
 from dflash_server.generation.stream import stream_generate
+from dflash_server.models.window import DEFAULT_WINDOW
 from dflash_server.testing import build_target
 
 MB = 1e6
@@ -73,6 +75,7 @@ def main() -> None:
         path = build_target(folder, text_overrides={"head_dim": 64})
     model, tokenizer = load(str(path))
     draft = published_drafter(model)
+    draft.set_window(DEFAULT_WINDOW)  # as the server runs it: sinks + the newest positions
     mx.eval(model.parameters(), draft.parameters())
     weights = sum(v.nbytes for _, v in _leaves(model.parameters()))
     drafter = sum(v.nbytes for _, v in _leaves(draft.parameters()))
