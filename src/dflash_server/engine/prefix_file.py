@@ -3,7 +3,7 @@
 The metadata holds the models' fingerprint, the snapshot kind, its token ids and checkpoint
 positions (so the disk tier's index is rebuilt from headers alone), and a checksum of all of
 that and of every tensor (name, dtype, shape, bytes), verified before a file is restored: a
-damaged snapshot would silently change answers (docs/design.md, "Prefix cache").
+damaged snapshot would silently change answers (docs/design.md, "Prefix cache internals").
 """
 
 from __future__ import annotations
