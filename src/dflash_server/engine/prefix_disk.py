@@ -262,6 +262,7 @@ class PrefixDisk:
             partial.parent.mkdir(exist_ok=True)
             mx.save_safetensors(str(partial), arrays, metadata=meta)
             _fsync(partial)  # on disk before it gets its name: a crash leaves no torn entry
+            self._evict(incoming=partial.stat().st_size)  # room first: never over the budget
             path = partial.rename(self.folder / name)
             _fsync(self.folder)  # the rename itself
         except (OSError, RuntimeError) as exc:  # MLX reports a full disk as RuntimeError
@@ -273,10 +274,11 @@ class PrefixDisk:
         self._index(path)
         self._evict()
 
-    def _evict(self) -> None:
+    def _evict(self, incoming: int = 0) -> None:
+        """The oldest files go until the rest, and ``incoming`` bytes, fit the budget."""
         with self._lock:
             files = list(self._files.values())  # in the order written: oldest first
-            total = sum(f.nbytes for f in files)
+            total = sum(f.nbytes for f in files) + incoming
             while files and total > self.budget:
                 oldest = files.pop(0)
                 total -= oldest.nbytes
