@@ -322,7 +322,7 @@ def test_prompts_prefilled_together_equal_lone_prefills(target: tuple[Any, Any])
     logprobs, target caches and drafter context as after its lone prefill."""
     from mlx_lm.models.cache import ArraysCache
 
-    from dflash_server.generation.batch_prefill import prefill_together
+    from dflash_server.generation.prefill import prefill, prefill_together
 
     def kv(c: Any) -> list[mx.array]:
         return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
@@ -334,7 +334,7 @@ def test_prompts_prefilled_together_equal_lone_prefills(target: tuple[Any, Any])
     together = [make_decoder(model, inner, 8, logprobs=2).row for _ in prompts]
     for row, p in zip([*lone, *together], [*prompts, *prompts]):
         row.begin(p, 8)
-    want = [row.prefill() for row in lone]
+    want = [prefill(row) for row in lone]
     got = prefill_together(together[0].target, together)
     for a, b, la, lb in zip(got, want, together, lone):
         assert a.result.tolist() == b.result.tolist()

@@ -16,6 +16,7 @@ from dflash_server.engine.jobs import Failed, Finished, TextChunk
 from dflash_server.engine.loader import LoadedModels, load_models
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.cycle import PREFILL_CHUNK
+from dflash_server.generation.prefill import prefill_chunks
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
 from server_fixtures import drain, make_job, start_engine
@@ -76,6 +77,15 @@ def test_a_cancelled_prefill_is_kept_and_the_retry_resumes(
     text = "".join(e.text for e in events if isinstance(e, TextChunk))
     assert text == "".join(r.text for r in cold)
     assert cache.stats()["entries"] >= 1 and cache.nbytes <= cache.budget
+
+
+def test_prefill_chunks_end_where_a_cold_run_ends_them() -> None:
+    """Chunks end at absolute multiples of the step, at the checkpoints and just before the last
+    token, so a prefill resumed at a kept position computes exactly a cold run's other chunks."""
+    cold = prefill_chunks(0, 10, 4, {6})
+    assert cold == [(0, 4), (4, 6), (6, 8), (8, 9), (9, 10)]
+    assert prefill_chunks(6, 10, 4, {6}) == cold[2:]
+    assert prefill_chunks(0, 1, 4, set()) == [(0, 1)]
 
 
 # -- costs that know the context, and that stay true ------------------------------------------
@@ -290,7 +300,7 @@ def test_a_windowed_drafter_skips_what_it_never_reads(
     """A 400-token prompt, a drafter window of 32 (4 sinks): only the positions it reads are
     projected (sinks, the window before the end and before each checkpoint), and its context
     (and a snapshot's windows) equal a prefill that projected every position."""
-    from dflash_server.generation import row as row_module
+    from dflash_server.generation import prefill as prefill_module
     from dflash_server.generation.policy import FixedBlock
     from dflash_server.generation.row import Row
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
@@ -311,12 +321,12 @@ def test_a_windowed_drafter_skips_what_it_never_reads(
 
     def prefill(skip: bool) -> Row:
         if not skip:
-            monkeypatch.setattr(row_module, "prompt_reads", lambda *a: None)
+            monkeypatch.setattr(prefill_module, "prompt_reads", lambda *a: None)
         target = TargetModel(model, draft.config.target_layer_ids)
         row = Row(target, draft, TokenSampler(SamplingParams()), FixedBlock(4),
                   prefill_step_size=64, prefix=PrefixCache(1 << 30), checkpoints=checkpoints)  # fmt: skip
         row.begin(prompt, 4)
-        row.prefill()
+        prefill_module.prefill(row)
         monkeypatch.undo()
         return row
 

@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_server.generation.policy import Choice, FixedBlock
+from dflash_server.generation.prefill import prefill
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -48,7 +49,7 @@ def test_rollback_equals_fresh_prefill(request, monkeypatch, arch, accepted):
     decoder = SpeculativeDecoder(row)
 
     row.begin(prompt, 2 * BLOCK)
-    row.read(row.prefill())
+    row.read(prefill(row))
     commit = decoder._read(decoder._queue(Choice.width(BLOCK), row.last))
     assert commit.tokens == reference[1 : accepted + 2]
     decoder._apply_rollback()  # deferred to the next cycle, after its draft is queued

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
@@ -40,6 +40,9 @@ from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
 from dflash_server.generation.stream import Generation, GenerationResponse
 
+if TYPE_CHECKING:
+    from dflash_server.engine.lockstep import Leader
+
 log = logging.getLogger("dflash_server")
 SHUTDOWN = "server is shutting down"
 # "interleave": each request cycles alone, one after another; "batched": all running requests
@@ -50,24 +53,6 @@ BATCHING = ("interleave", "batched")
 # round (the first: the prefill's); it replaces the rows.
 GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator[GenerationResponse]]
 LoaderFn = Callable[[], LoadedModels]
-
-
-class Lockstep(Protocol):
-    """Other ranks that run this engine's rounds (``engine/lockstep.py``'s ``Leader``): told of
-    each row that starts or is dropped, it sends the round's decisions and steps the batch."""
-
-    heartbeat_s: float  # an idle engine still runs a round this often
-
-    @property
-    def memory(self) -> list[tuple[int, int]]: ...  # (active, peak) bytes per rank
-
-    def added(self, row: Row, request: GenerationRequest) -> None: ...
-
-    def removed(self, row: Row) -> None: ...
-
-    def step(self, batch: BatchDecoder) -> dict[Row, Outcome]: ...
-
-    def close(self) -> None: ...
 
 
 class Engine:
@@ -87,7 +72,7 @@ class Engine:
         batching: str = "batched",
         max_verify: int | None = None,
         on_pass: Callable[[int, int], None] | None = None,
-        lockstep: Lockstep | None = None,
+        lockstep: Leader | None = None,
         kv: KVQuant | None = None,
         max_kv_memory: int | None = None,
     ) -> None:

@@ -16,7 +16,7 @@ only the target cache is shared, as rows of a ``BatchCache``. A pass:
 ``step`` runs one round of the batch and returns what each row committed, as mlx-lm's
 ``BatchGenerator.next`` does; its owner (the engine) calls it and routes the commits. Before
 the pass, prompts make progress: prompts of one chunk or less that the prefix cache does not hold
-are prefilled together in one forward (``batch_prefill.py``); a longer prompt, a prefix hit or
+are prefilled together in one forward (``prefill.py``); a longer prompt, a prefix hit or
 a prompt with images prefills alone one chunk per step, so the running rows keep decoding. A
 prefilled row joins the next pass; it leaves when it finishes or is removed (cancelled). Each
 row rotates at its own positions (a prompt with images shifts its later ones: its ``shift``,
@@ -38,10 +38,10 @@ from mlx_lm.generate import generation_stream
 from dflash_server.generation.batch_budget import PassCosts, choose_widths
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
 from dflash_server.generation.batch_draft import propose_rows
-from dflash_server.generation.batch_prefill import prefill_together
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit, Cycle
 from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice
+from dflash_server.generation.prefill import prefill, prefill_steps, prefill_together
 from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
 from dflash_server.generation.target import TargetModel
@@ -114,7 +114,7 @@ class BatchDecoder:
         if short and row.prefix_hit() is None and row.kv is None:
             self.waiting.append(row)  # one chunk, cold, text: prefilled with other short ones
         else:
-            self.prefilling[row] = row.prefill_steps()
+            self.prefilling[row] = prefill_steps(row)
 
     def remove(self, row: Row) -> None:
         """A row stops (cancelled, or ended on text): it leaves before the next pass."""
@@ -207,7 +207,7 @@ class BatchDecoder:
         del self.waiting[: len(group)]
         try:
             if len(group) == 1:
-                cycles = [group[0].prefill()]
+                cycles = [prefill(group[0])]
             else:
                 cycles = prefill_together(self.target, group)
                 self.prefilled_together += len(group)

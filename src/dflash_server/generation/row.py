@@ -4,7 +4,8 @@ A ``Row`` holds what belongs to one request: its sampler and penalty history, it
 width policy and suffix proposer, the drafter's context, its statistics, and its own target
 cache until a batch takes it over. Its public surface follows a cycle's life:
 
-* ``begin`` and ``prefill_steps``: the prompt, after what the prefix cache restores, in chunks;
+* ``begin``, then ``prefill.py`` feeds the prompt, after what the prefix cache restores, in
+  chunks (``restore_prefix``, ``first_token``, ``keep_prefilled`` are its hooks);
 * ``choose``: the next cycle's width and source (a drafter block, a suffix copy, a plain step);
 * ``draft_row``: what the drafter pass drafts from (the anchor, masks, new context);
 * ``score``: the verify's logits -> accepted drafts, bonus token and logprobs (lazy, on device);
@@ -22,14 +23,13 @@ row decides, or computes from its own verify rows, lives here, once
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.cycle import FLUSH, PREFILL_CHUNK, Commit, Cycle, terminate
-from dflash_server.generation.draft_context import feed_prompt, prompt_reads
+from dflash_server.generation.cycle import FLUSH, Commit, Cycle, terminate
 from dflash_server.generation.images import PromptImages
 from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.policy import DRAFTER, PLAIN, SUFFIX, Choice, FixedBlock, WidthPolicy
@@ -148,52 +148,6 @@ class Row:
             self._hit = found
         return cast("tuple[PromptSnapshot, int] | None", self._hit)
 
-    def prefill(self) -> Cycle:
-        """Feed the whole prompt (see ``prefill_steps``); return the first token's cycle."""
-        steps = self.prefill_steps()
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-
-    def prefill_steps(self) -> Generator[Commit, None, Cycle]:
-        """Feed the prompt in chunks into the row's own cache (after what the prefix cache
-        restores), yielding ``PREFILL_CHUNK`` after each chunk but the last so a scheduler can
-        run other work in between; return the first token as a (lazy) one-row cycle. With a
-        prefix cache, chunks also end at the checkpoints, where the recurrent state is kept;
-        a prefill stopped between chunks (the request was cancelled: a client that timed out
-        and will retry) keeps what it prefilled as an entry, so the retry resumes there."""
-        prompt = self.prompt
-        start, checkpoints = self._restore()
-        tokens = mx.array(prompt)[None]
-        wanted = self.checkpoint_positions()
-        reads = prompt_reads(self.draft, len(prompt), wanted) if self.draft is not None else None
-        for begin, end in self._chunks(start, len(prompt)):
-            last = end == len(prompt)
-            rows = slice(-1, None) if last else None
-            with mx.stream(generation_stream):
-                chunk = tokens[:, begin:end]
-                inputs = self.images.inputs(chunk, begin, end, self.target) if self.images else {}
-                logits, taps = self.target.forward(chunk, self.cache, rows, **inputs)
-                self.quantize_kv()
-                if self.draft is not None:
-                    feed_prompt(self.draft, _ctx(self.draft_cache), _tapped(taps), tokens[0],
-                                (begin, end), reads)  # fmt: skip
-                if end in wanted:
-                    checkpoints[end] = Checkpoint.take(self.cache, self.draft_cache)
-                if not last:  # bound peak memory: materialise this chunk before the next
-                    mx.eval([c.state for c in self.cache], *self.draft_state())
-                    mx.clear_cache()
-            if not last:
-                try:
-                    yield PREFILL_CHUNK
-                except GeneratorExit:
-                    self._keep_prefilled(end, checkpoints)
-                    raise
-        self.images = None  # the features are in the cache now
-        return self.first_token(_rows(logits)[0], checkpoints)
-
     def first_token(self, logits: mx.array, checkpoints: dict[int, Checkpoint]) -> Cycle:
         """After the prompt's prefill: keep its snapshot (with a prefix cache) and start the
         first token's (lazy) one-row cycle from the last position's logits ([1, V])."""
@@ -207,7 +161,7 @@ class Row:
             result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
         return Cycle(result, None, 1, self._logprobs(logits, first), prefill=True)
 
-    def _keep_prefilled(self, done: int, checkpoints: dict[int, Checkpoint]) -> None:
+    def keep_prefilled(self, done: int, checkpoints: dict[int, Checkpoint]) -> None:
         """Store the first ``done`` prompt tokens' state (the caches hold exactly that between
         chunks) as a prefix-cache entry, restorable at ``done``."""
         if self.prefix is None or done <= self.stats.cached_tokens:
@@ -236,7 +190,7 @@ class Row:
         """The drafter context's arrays (to evaluate with the target's)."""
         return [c.state for c in self.draft_cache] if self.draft_cache is not None else []
 
-    def _restore(self) -> tuple[int, dict[int, Checkpoint]]:
+    def restore_prefix(self) -> tuple[int, dict[int, Checkpoint]]:
         """Load the longest cached prefix (never the whole prompt: its last token gives the
         logits); return its length and the checkpoints the new snapshot inherits."""
         hit = self.prefix_hit()
@@ -246,19 +200,6 @@ class Row:
         snapshot.restore(start, self.cache, self.draft_cache)
         self.stats.cached_tokens = start
         return start, {p: s for p, s in snapshot.checkpoints.items() if p <= start}
-
-    def _chunks(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Prefill chunks from ``start``: at most ``prefill_step_size`` long, cut at absolute
-        multiples of it and at the checkpoints, so a warm run computes exactly the chunks a
-        cold run did after the restored prefix."""
-        step = max(1, self.prefill_step_size)
-        cuts = set(range(step, end, step)) | {end} | self.checkpoint_positions()
-        # As mlx-lm, the last token on its own: a chunk without logits skips the top layer's
-        # output (no cache reads it); with the logits, every row of the chunk would run it.
-        if end > 1:
-            cuts.add(end - 1)
-        ends = sorted(c for c in cuts if c > start)
-        return list(zip([start, *ends[:-1]], ends))
 
     # -- a cycle ------------------------------------------------------------------------------
 
@@ -404,16 +345,6 @@ class Row:
 
 
 # Narrowing for the type checker only: which values exist follows from whether a drafter runs.
-def _tapped(taps: mx.array | None) -> mx.array:
-    assert taps is not None, "a target driven with a drafter returns taps"
-    return taps
-
-
 def _ctx(cache: list[Any] | None) -> list[Any]:
     assert cache is not None, "a drafter has a context cache"
     return cache
-
-
-def _rows(logits: mx.array | None) -> mx.array:
-    assert logits is not None, "logit rows were asked for"
-    return logits

@@ -25,6 +25,7 @@ from mlx_lm.generate import generation_stream
 
 from dflash_server.generation.cycle import Commit, Cycle
 from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice
+from dflash_server.generation.prefill import prefill, prefill_steps
 from dflash_server.generation.row import Row
 from dflash_server.models.mrope import Positions
 
@@ -56,7 +57,7 @@ class SpeculativeDecoder:
         row = self.row
         row.begin(prompt, max_tokens, eos_ids)
         try:
-            first = (yield from row.prefill_steps()) if yield_chunks else row.prefill()
+            first = (yield from prefill_steps(row)) if yield_chunks else prefill(row)
             yield from self._cycles(row.read(first))
         finally:  # also when the consumer stops early: the output so far joins the shared index
             row.finish()
