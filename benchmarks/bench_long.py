@@ -5,8 +5,8 @@ drafter (random weights: its pass costs what a real one's does):
 
 * ``prefill``: time to first token for a ``--lengths`` prompt: mlx-lm's own ``generate_step``
   (plain prefill, its 2048-token chunks) against ours (the same chunks, plus the drafter's taps
-  and context), and the split of ours: the target alone, with taps, with the drafter's context.
-  Rounds interleave the two; paired ratios (ours / mlx-lm, tokens per second) are reported.
+  and context) and, with ``--split``, the target alone through our loop. The kinds take turns
+  chunk by chunk (``side_by_side``); paired ratios (mlx-lm's time / ours) are reported.
 * ``decode``: at each ``--contexts`` length the prompt is prefilled once and every mode decodes
   ``--tokens`` greedy tokens from a copy of that state (so each mode pays the same context, not
   the prefill): plain, each fixed width, and ``auto`` as the server runs it (the pair's measured
@@ -31,6 +31,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.calibrate import measure_costs
 from dflash_server.generation.controller import BlockController, SharedPrior
 from dflash_server.generation.policy import FixedBlock
+from dflash_server.generation.prefill import prefill_steps
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -56,45 +58,18 @@ def prompt_of(length: int, vocab: int = 30000) -> list[int]:
     return [(7 * i * i + 3 * i) % vocab + 100 for i in range(length)]
 
 
-def mlx_lm_ttft(model: Any, prompt: list[int]) -> float:
-    start = time.perf_counter()
-    next(generate_step(mx.array(prompt), model, max_tokens=1))
-    return time.perf_counter() - start
-
-
-def ours_ttft(model: Any, draft: Any, prompt: list[int], taps: bool = True) -> float:
-    """Our prefill to the first token: with the drafter (taps and context), with taps only,
-    or (``draft=None, taps=False``) the target alone through our loop."""
-    ids = tuple(draft.config.target_layer_ids) if taps and draft is not None else ()
-    row = Row(TargetModel(model, ids), draft, TokenSampler(SamplingParams()), FixedBlock(1))
-    row.begin(prompt, 1)
-    start = time.perf_counter()
-    row.read(row.prefill())
-    return time.perf_counter() - start
-
-
 def prefill(
     model: Any, draft: Any, lengths: list[int], rounds: int, split: bool = True
 ) -> list[dict]:
     rows = []
-    warm = prompt_of(64)  # first calls pay one-off set-up: not part of any figure
-    mlx_lm_ttft(model, warm)
-    ours_ttft(model, draft, warm)
+    side_by_side(model, draft, prompt_of(64), split)  # first calls pay one-off set-up
     for n in lengths:
         prompt = prompt_of(n)
-        runs: dict[str, list[float]] = {"mlx_lm": [], "ours": []}
-        if split:
-            runs |= {"target": [], "taps": []}
-        for _ in range(rounds):
-            runs["mlx_lm"].append(mlx_lm_ttft(model, prompt))
-            if split:
-                runs["target"].append(ours_ttft(model, None, prompt, taps=False))
-                runs["taps"].append(_taps_only(model, draft, prompt))
-            runs["ours"].append(ours_ttft(model, draft, prompt))
-        ratio = statistics.median(m / o for m, o in zip(runs["mlx_lm"], runs["ours"]))
+        runs = [side_by_side(model, draft, prompt, split) for _ in range(rounds)]
+        ratio = statistics.median(r["mlx_lm"] / r["ours"] for r in runs)
         row = {
             "tokens": n,
-            **{f"{k}_tok_s": round(n / statistics.median(v), 1) for k, v in runs.items()},
+            **{f"{k}_tok_s": round(n / statistics.median(r[k] for r in runs), 1) for k in runs[0]},
             "ours_vs_mlx_lm": round(ratio, 3),
         }
         rows.append(row)
@@ -102,21 +77,59 @@ def prefill(
     return rows
 
 
-def _taps_only(model: Any, draft: Any, prompt: list[int]) -> float:
-    """The target with the drafter's taps hooked, but no drafter context computed."""
-    target = TargetModel(model, tuple(draft.config.target_layer_ids))
-    cache = target.make_cache()
+def side_by_side(model: Any, draft: Any, prompt: list[int], split: bool) -> dict[str, float]:
+    """Seconds to the first token, chunk by chunk in turns: mlx-lm's own ``generate_step`` (its
+    progress callback marks each chunk) and our rows (with the drafter; ``split``: also the
+    target alone), who goes first alternating (m0 o0 o1 m1 m2 o2 ...), so a noisy moment on
+    shared cores slows both alike (a chunk's time moves by up to 20 % from run to run)."""
+    ours = {"ours": _chunk_steps(model, draft, prompt)}
+    if split:
+        ours["target"] = _chunk_steps(model, None, prompt)
+    seconds = dict.fromkeys(["mlx_lm", *ours], 0.0)
+    turns = {"mlx": 0, "ours": 0}  # chunks done by mlx-lm, by each of our rows
+    mark = time.perf_counter()
+
+    def our_turn(done: int, total: int) -> None:  # mlx-lm's progress callback
+        nonlocal mark
+        seconds["mlx_lm"] += time.perf_counter() - mark
+        turns["mlx"] += done > 0
+        m = turns["mlx"]
+        until = m + m % 2 if done < total else None  # None: to the end
+        while until is None or turns["ours"] < until:
+            kinds = list(ours) if turns["ours"] % 2 == 0 else list(ours)[::-1]
+            finished = [_timed(ours[k], seconds, k) for k in kinds]
+            turns["ours"] += 1
+            if all(finished):
+                break
+        mark = time.perf_counter()
+
+    next(generate_step(mx.array(prompt), model, max_tokens=1, prompt_progress_callback=our_turn))
+    seconds["mlx_lm"] += time.perf_counter() - mark
+    return seconds
+
+
+def _chunk_steps(model: Any, draft: Any, prompt: list[int]) -> Iterator[None]:
+    """Our prefill (with the drafter's taps and context; ``draft=None``: the target alone through
+    our loop), one chunk per step, the last one through to the first token."""
+    ids = tuple(draft.config.target_layer_ids) if draft is not None else ()
+    row = Row(TargetModel(model, ids), draft, TokenSampler(SamplingParams()), FixedBlock(1))
+    row.begin(prompt, 1)
+    steps = prefill_steps(row)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            row.read(end.value)
+            return
+        yield
+
+
+def _timed(steps: Iterator[None], seconds: dict[str, float], kind: str) -> bool:
+    """Run one step of ``steps``, adding its time to ``seconds[kind]``; True once it is done."""
     start = time.perf_counter()
-    ends = sorted(set(range(2048, len(prompt), 2048)) | {len(prompt) - 1, len(prompt)})
-    for begin, end in zip([0, *ends[:-1]], ends):  # our chunks: the last token on its own
-        logits, taps = target.forward(
-            mx.array(prompt[begin:end])[None],
-            cache,
-            slice(-1, None) if end == len(prompt) else None,
-        )
-        mx.eval([c.state for c in cache], *([] if taps is None else [taps]))
-    mx.eval(logits)
-    return time.perf_counter() - start
+    done = next(steps, StopIteration) is StopIteration
+    seconds[kind] += time.perf_counter() - start
+    return done
 
 
 def decode_once(model: Any, draft: Any, store: PrefixCache, prompt: list[int], drafter: Any,
@@ -247,7 +260,7 @@ def main() -> None:
         "--split",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also time the target alone and with taps only (--no-split: faster)",
+        help="also time the target alone through our loop (--no-split: faster)",
     )
     ap.add_argument("--busy-factor", type=float, default=20.0, help="0: skip the busy part")
     ap.add_argument("--json", type=Path)
