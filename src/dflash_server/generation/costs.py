@@ -11,7 +11,10 @@ curve is not the one measured at 64.
 
 Each request refines its own copy from the wall time of its real cycles: a residual per width
 (calibrated at load) plus a small shared correction, in log space and clipped, so a slow consumer
-shifts the estimates and one outlier cannot flip the choice. Every observation also nudges the
+shifts the estimates and one outlier cannot flip the choice. Most of a width's correction moves
+the other widths of its kind too (the machine's pace is shared): only cycles of different widths
+reshape the curve, so a slow moment at the width in use cannot make a width not run lately look
+cheaper for good (measured at 32k tokens: it made a 5-wide cycle look cheaper than a 4-wide one). Every observation also nudges the
 pair's model (``shared``), which the next request copies: a calibration taken at a busy moment
 does not decide for the server's whole life.
 """
@@ -25,6 +28,7 @@ from typing import Any
 _ALPHA = 0.25  # weight of one observed cycle in the running correction
 _SHARED = 0.2  # the pair's model moves this much of a request's step (many requests refine it)
 _CLIP = math.log(3.0)  # one observation moves the correction by at most this (log) factor
+_KIND = 0.75  # share of a width's step that the other widths of its kind take (the pace)
 # The first real drafted cycles lower the load-time calibration to the fastest of them (clipped
 # wide: a busy moment may have inflated it many times); a slower one only refines it, as later
 # cycles do (one slow first cycle once sent every row of a batch to plain decoding for good).
@@ -110,8 +114,8 @@ class CostModel:
     def observe(
         self, size: int, seconds: float, drafted: bool = True, context: int = 0, weight: float = 1.0
     ) -> None:
-        """Fold one real cycle's wall time into its width's residual (and a little into the
-        shared drift, so widths not used lately follow a slower machine); the pair's model
+        """Fold one real cycle's wall time into its width's residual (most of the step into its
+        kind's other widths, a little into the drift of all kinds); the pair's model
         (``shared``) takes a fraction of the step. The first ``_EARLY`` drafted cycles, when
         faster than estimated, move every drafted width by their error instead (the
         calibration's bias: a busy moment only adds time)."""
@@ -128,9 +132,14 @@ class CostModel:
                 widths = {size, *(w for w in residuals if w > 1)}
                 residuals.update({w: self._residual(w) + error for w in widths})
                 error = 0.0  # nothing left for the drift below
-        error = max(-_CLIP, min(_CLIP, error))
-        residuals[size] = self._residual(size, drafted) + weight * _ALPHA * error
-        self.log_scale += weight * _ALPHA / 4 * error
+        step = weight * _ALPHA * max(-_CLIP, min(_CLIP, error))
+        own = self._residual(size, drafted)
+        # Most of the step is the machine's pace, which every width of this kind shares: a slow
+        # moment on the width in use must not make a width not run lately look cheaper for good.
+        for width in [w for w in residuals if w != size and (w > 1) == (size > 1)]:
+            residuals[width] += _KIND * step
+        residuals[size] = own + step
+        self.log_scale += step / 4
         if self.shared is not None:
             self.shared.observe(size, seconds, drafted, context, weight * _SHARED)
 
