@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 
 _OFF = 1.5  # a cycle this many times cheaper than estimated says the costs are off
+_UNTIMED = 1.1  # a narrower width no real cycle has timed looks this much better
 
 
 class SuffixTrust:
@@ -228,6 +229,13 @@ class BlockController:
         rates = self.acceptance.rates()
         sizes = range(max(2, minimum), max(2, min(self.max_block, limit)) + 1)
         best = max(sizes, key=lambda s: self._value(rates, s))
+        # A narrower width no real cycle has timed is tried on a small edge: a busy moment at
+        # load can price it like its wider neighbours (docs/design.md, "Adaptive speculation").
+        untimed = [s for s in sizes if s < best and s not in self.costs.timed]
+        if untimed and self.costs.refine:  # (a real cycle could not correct a fixed curve)
+            narrow = max(untimed, key=lambda s: self._value(rates, s))
+            if _UNTIMED * self._value(rates, narrow) > self._value(rates, best):
+                best = narrow
         if minimum > 1:
             return best
         spec, plain = self._value(rates, best), self._value(rates, 1)

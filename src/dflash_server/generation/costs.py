@@ -11,12 +11,13 @@ curve is not the one measured at 64.
 
 Each request refines its own copy from the wall time of its real cycles: a residual per width
 (calibrated at load) plus a small shared correction, in log space and clipped, so a slow consumer
-shifts the estimates and one outlier cannot flip the choice. Most of a width's correction moves
-the other widths of its kind too (the machine's pace is shared): only cycles of different widths
-reshape the curve, so a slow moment at the width in use cannot make a width not run lately look
-cheaper for good (measured at 32k tokens: it made a 5-wide cycle look cheaper than a 4-wide one). Every observation also nudges the
-pair's model (``shared``), which the next request copies: a calibration taken at a busy moment
-does not decide for the server's whole life.
+shifts the estimates and one outlier cannot flip the choice. A width's first real cycle, where
+cheaper than measured at load, places it in the curve; after that most of its correction moves
+the other widths of its kind too (the machine's pace is shared), so a slow moment at the width in
+use cannot make a width not run lately look cheaper for good (at 32k tokens it made a 5-wide
+cycle look cheaper than a 4-wide one). Every observation also nudges the pair's model
+(``shared``), which the next request copies: a calibration taken at a busy moment does not
+decide for the server's whole life.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class CostModel:
     draft_reach: int | None = None  # context the drafter attends to at most (None: all of it)
     shared: CostModel | None = field(default=None, repr=False)  # the pair's, refined too
     checked: int = 0  # real drafted cycles observed (0: the curve is the calibration alone)
+    timed: dict[int, int] = field(default_factory=dict)  # drafted width -> real cycles timed
 
     @staticmethod
     def _interp(points: dict[int, float], x: int) -> float:
@@ -116,30 +118,36 @@ class CostModel:
     ) -> None:
         """Fold one real cycle's wall time into its width's residual (most of the step into its
         kind's other widths, a little into the drift of all kinds); the pair's model
-        (``shared``) takes a fraction of the step. The first ``_EARLY`` drafted cycles, when
-        faster than estimated, move every drafted width by their error instead (the
-        calibration's bias: a busy moment only adds time)."""
+        (``shared``) takes a fraction of the step. A drafted width's first real cycle, when
+        faster than estimated, sets its residual whole (the calibration met a busy moment at
+        its turn; a slower one may itself be the busy moment, so it only refines). The first
+        ``_EARLY`` drafted cycles, when faster than estimated, move every drafted width by their
+        error instead (the calibration's bias: a busy moment only adds time)."""
         if not self.refine or not seconds > 0:
             return
         size = max(1, size)
         residual = self._residual(size, drafted)
         error = math.log(seconds / self.base(size, drafted, context)) - self.log_scale - residual
         residuals = self.residual if drafted or size == 1 else self.verify_residual
+        first = size > 1 and drafted and size not in self.timed
         if size > 1 and drafted:
             self.checked += 1
+            self.timed[size] = self.timed.get(size, 0) + 1
             if self.checked <= _EARLY and error < 0:  # the calibration's error: every width's
                 error = max(-_EARLY_CLIP, error)
                 widths = {size, *(w for w in residuals if w > 1)}
                 residuals.update({w: self._residual(w) + error for w in widths})
                 error = 0.0  # nothing left for the drift below
-        step = weight * _ALPHA * max(-_CLIP, min(_CLIP, error))
+        error = max(-_CLIP, min(_CLIP, error))
         own = self._residual(size, drafted)
-        # Most of the step is the machine's pace, which every width of this kind shares: a slow
-        # moment on the width in use must not make a width not run lately look cheaper for good.
-        for width in [w for w in residuals if w != size and (w > 1) == (size > 1)]:
-            residuals[width] += _KIND * step
-        residuals[size] = own + step
-        self.log_scale += step / 4
+        if first and error < 0:  # a width's first real cycle, cheaper: the calibration met a
+            residuals[size] = own + error  # busy moment at its turn (the pair's too); only there
+        else:  # later ones mostly measure the machine's pace, shared by the widths of its kind
+            step = weight * _ALPHA * error
+            for width in [w for w in residuals if w != size and (w > 1) == (size > 1)]:
+                residuals[width] += _KIND * step
+            residuals[size] = own + step
+            self.log_scale += step / 4
         if self.shared is not None:
             self.shared.observe(size, seconds, drafted, context, weight * _SHARED)
 
@@ -147,7 +155,7 @@ class CostModel:
         """A request's own copy; its observations refine the pair's model too."""
         return replace(self, verify=dict(self.verify), draft=dict(self.draft),
                        residual=dict(self.residual), slope=dict(self.slope),
-                       verify_residual=dict(self.verify_residual),
+                       verify_residual=dict(self.verify_residual), timed=dict(self.timed),
                        shared=self.shared or self)  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
