@@ -140,8 +140,10 @@ class CostModel:
                 error = 0.0  # nothing left for the drift below
         error = max(-_CLIP, min(_CLIP, error))
         own = self._residual(size, drafted)
-        if first and error < 0:  # a width's first real cycle, cheaper: the calibration met a
-            residuals[size] = own + error  # busy moment at its turn (the pair's too); only there
+        if first and error < 0:
+            # A width's first real cycle, cheaper than estimated: the calibration met a busy
+            # moment at its turn, so this sets its residual whole (the pair's too).
+            residuals[size] = own + error
         else:  # later ones mostly measure the machine's pace, shared by the widths of its kind
             step = weight * _ALPHA * error
             for width in [w for w in residuals if w != size and (w > 1) == (size > 1)]:
