@@ -228,17 +228,18 @@ class BlockController:
         speculation needs a ``margin`` (hysteresis: an estimate's error must not flip it)."""
         rates = self.acceptance.rates()
         sizes = range(max(2, minimum), max(2, min(self.max_block, limit)) + 1)
-        best = max(sizes, key=lambda s: self._value(rates, s))
+        value = {s: self._value(rates, s) for s in sizes}
+        best = max(sizes, key=value.__getitem__)
         # A narrower width no real cycle has timed is tried on a small edge: a busy moment at
         # load can price it like its wider neighbours (docs/design.md, "Adaptive speculation").
         untimed = [s for s in sizes if s < best and s not in self.costs.timed]
         if untimed and self.costs.refine:  # (a real cycle could not correct a fixed curve)
-            narrow = max(untimed, key=lambda s: self._value(rates, s))
-            if _UNTIMED * self._value(rates, narrow) > self._value(rates, best):
+            narrow = max(untimed, key=value.__getitem__)
+            if _UNTIMED * value[narrow] > value[best]:
                 best = narrow
         if minimum > 1:
             return best
-        spec, plain = self._value(rates, best), self._value(rates, 1)
+        spec, plain = value[best], self._value(rates, 1)
         if self.plain_run:  # decoding plainly: speculation must clearly pay to start again
             return best if spec > (1 + self.margin) * plain else 1
         return 1 if plain > (1 + self.margin) * spec else best
