@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -203,10 +203,57 @@ def _inflated(measured: Any, factor: float) -> Any:
     return busy
 
 
-def test_a_busy_calibration_recovers_alone(tiny_hybrid: Any) -> None:
+MS = 1e-3
+
+
+def _true_costs() -> tuple[Any, Any]:
+    """What cycles (one row) and batched passes cost on a made-up machine: a plain pass 1 ms
+    plus 0.1 ms per row, a drafted one 2 ms (drafter pass included) plus 0.1 ms per verified
+    position."""
+    from dflash_server.generation.batch_budget import PassCosts
+    from dflash_server.generation.costs import CostModel
+
+    verify = {w: (1.5 + 0.1 * w) * MS for w in (2, 4, 8, 16)}
+    cycles = CostModel(plain=1.1 * MS, verify=verify, draft={2: 0.5 * MS, 16: 0.5 * MS})
+    plain = {r: (1 + 0.1 * r) * MS for r in (1, 2, 4, 8, 16)}
+    passes = PassCosts(plain, {p: (2 + 0.1 * p) * MS for p in (4, 8, 16, 32, 64, 128)})
+    return cycles, passes
+
+
+class PassClock:
+    """The time the engine reads, as that machine would take it: each target forward moves it
+    by its pass's cost (``delays``: more for the next drafted passes, a busy moment). Real
+    timings made these tests depend on the runner: on a loaded one a 4 x 8 pass measured 90
+    plain passes' time, and going plain was then right. bench_long.py's busy part measures
+    the recovery on real timings."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, target: Any, true: Any) -> None:
+        from types import SimpleNamespace
+
+        from dflash_server.generation import batch, row
+
+        self.now = 0.0
+        self.delays: list[float] = []
+        forward = target.forward
+
+        def timed(tokens: mx.array, *args: Any, **kwargs: Any) -> Any:
+            rows, width = tokens.shape
+            self.now += true.cost(rows, width)
+            if width > 1 and self.delays:
+                self.now += self.delays.pop(0)
+            return forward(tokens, *args, **kwargs)
+
+        monkeypatch.setattr(target, "forward", timed)
+        clock = SimpleNamespace(perf_counter=lambda: self.now)
+        for module in (batch, row):
+            monkeypatch.setattr(module, "time", clock)
+
+
+def test_a_busy_calibration_recovers_alone(
+    tiny_hybrid: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Drafted cycles measured 5x dearer than they are: the request starts plain, its probes
     come in far cheaper than estimated, so it probes again soon and soon speculates."""
-    from dflash_server.generation.calibrate import measure_costs
     from dflash_server.generation.controller import BlockController
     from dflash_server.testing import ReplayDrafter, random_drafter
     from test_batching import make_decoder, plain_greedy, tokens_of
@@ -215,17 +262,21 @@ def test_a_busy_calibration_recovers_alone(tiny_hybrid: Any) -> None:
     inner = random_drafter(model, block_size=8)
     prompt = list(tokenizer.encode("def fibonacci(n):"))
     reference = plain_greedy(model, prompt, 600)
-    busy = _inflated(measure_costs(model, inner), 5.0)
-    policy = BlockController(8, busy)
+    cycles, passes = _true_costs()
+    policy = BlockController(8, _inflated(cycles, 5.0))
     run = make_decoder(model, ReplayDrafter(prompt + reference, [7], inner), 8, policy=policy)
+    PassClock(monkeypatch, run.row.target, passes)
     commits = list(run.generate(prompt, 600))
     assert tokens_of(commits) == reference
+    assert commits[1].drafted == 0  # plain at first: the calibration said so
     drafted = [c.drafted for c in commits[-40:]]
     assert sum(drafted) > 100, drafted  # the last 40 commits are mostly full drafter blocks
 
 
 @pytest.mark.parametrize("rows_busy", [False, True])
-def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any, rows_busy: bool) -> None:
+def test_a_busy_calibration_recovers_in_a_batch(
+    tiny_hybrid: Any, monkeypatch: pytest.MonkeyPatch, rows_busy: bool
+) -> None:
     """Batched passes measured 20x dearer than they are: the budget lets the first drafted
     pass through to check the calibration, finds it far cheaper and lifts the cap, even when
     that first pass is slow; every row still equals its lone run. ``rows_busy``: the rows' own
@@ -234,8 +285,6 @@ def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any, rows_busy: boo
     import math
 
     from dflash_server.generation.batch import BatchDecoder
-    from dflash_server.generation.batch_budget import measure_pass_costs
-    from dflash_server.generation.calibrate import measure_costs
     from dflash_server.generation.controller import BlockController
     from dflash_server.generation.target import TargetModel
     from dflash_server.testing import ReplayDrafter, random_drafter
@@ -244,17 +293,15 @@ def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any, rows_busy: boo
     model, tokenizer = tiny_hybrid
     inner = random_drafter(model, block_size=8)
     target = TargetModel(model, inner.config.target_layer_ids)
-    measured = measure_costs(model, inner)
-    busy = measure_pass_costs(target, inner, width=8, growth=measured)
-    busy.spec_residual = {8 * r: math.log(20.0) for r in (1, 2, 4, 8)}
+    cycles, passes = _true_costs()
+    busy = replace(passes, spec_residual={8 * r: math.log(20.0) for r in (1, 2, 4, 8)})
     batch = BatchDecoder(target, costs=busy)
-    cycle_costs = _inflated(measured, 20.0)
     prompts = [list(tokenizer.encode(p)) for p in ("def fib(n):", "The quick", "import os", "x =")]
     rows = {}
     for i, prompt in enumerate(prompts):
         reference = plain_greedy(model, prompt, 300)
         draft = ReplayDrafter(prompt + reference, [7], inner)
-        policy = BlockController(8, (cycle_costs if rows_busy else measured).copy())
+        policy = BlockController(8, (_inflated(cycles, 20.0) if rows_busy else cycles).copy())
         rows[i] = (make_decoder(model, draft, 8, policy=policy).row, prompt, 300)
     widths: list[int] = []
     step = batch.step
@@ -269,28 +316,16 @@ def test_a_busy_calibration_recovers_in_a_batch(tiny_hybrid: Any, rows_busy: boo
     batch.step = recorded  # type: ignore[method-assign]
     # The first drafted pass is slow (a first pass allocating its buffers, a busy moment): in
     # 2 of 3 clean-clone CI runs one such pass sent every row to plain decoding for good.
-    recording, slowed = target.hooks.recording, []
-
-    @contextlib.contextmanager
-    def slow_first() -> Any:
-        if not slowed:  # inside the pass's timing: the rows and the budget both see it
-            slowed.append(True)
-            time.sleep(0.5)
-        with recording() as record:
-            yield record
-
-    target.hooks.recording = slow_first  # type: ignore[method-assign]
+    PassClock(monkeypatch, target, passes).delays.append(0.5)
     out = step_rows(batch, rows)
     for i, prompt in enumerate(prompts):
         assert tokens_of(out[i]) == plain_greedy(model, prompt, 300), i
     first = next(i for i, w in enumerate(widths) if w > 1)
-    assert first <= 20, widths  # an early pass checked the calibration (the rows' too)
-    if rows_busy:
-        # What follows depends on the probes' real timings (the rows' costs move by them);
-        # bench_long.py's busy part measures it on a quiet machine.
-        return
-    late = widths[len(widths) // 2 :]
-    assert sum(w > 1 for w in late) > 0.8 * len(late), widths  # then speculation ran
+    assert first <= 20, str(widths)  # an early pass checked the calibration (the rows' too)
+    # Then speculation resumes and holds (but for the pass with the rows' last tokens). The
+    # busy rows' own first probe met the slow pass, so their next one waits out a longer gap.
+    resumed = next(i for i in range(len(widths)) if all(w > 1 for w in widths[i:-1]))
+    assert resumed <= (80 if rows_busy else 10), str(widths)
 
 
 @pytest.mark.parametrize("checkpoints", [(), (150, 260)])
@@ -353,7 +388,6 @@ def test_a_client_that_times_out_and_retries_gets_its_answer(
 ) -> None:
     """The Anthropic SDK with a timeout shorter than a long prompt's prefill: each attempt is
     cancelled part-way, keeps its chunks, and a retry resumes there until one completes."""
-    import time
 
     import anthropic
     import httpx
