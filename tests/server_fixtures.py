@@ -87,13 +87,16 @@ class RunningServer:
 
 @contextlib.contextmanager
 def run_server(app: Any, ready_timeout: float = 60.0, **config: Any) -> Iterator[RunningServer]:
-    """Serve ``app`` with uvicorn on a free loopback port in a thread; wait until /health is 200
-    (``config``: more ``uvicorn.Config`` settings)."""
+    """Serve ``app`` with uvicorn on a free loopback port in a thread, as ``dflash-serve`` serves
+    it (``config``: other ``uvicorn.Config`` settings); wait until /health is 200."""
     import uvicorn
 
+    from dflash_server.api.app import server_options
+
     port = free_port()
+    options = {**server_options(app.state.settings), **config}
     uvicorn_config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **config
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **options
     )
     server = uvicorn.Server(uvicorn_config)
     thread = threading.Thread(target=server.run, daemon=True)

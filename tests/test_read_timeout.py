@@ -1,6 +1,7 @@
 """Slow clients (``--request-read-timeout``): a connection that sends nothing, headers sent one
 byte at a time (slowloris) or a trickled body get a 408 OpenAI error object and the connection
-closes; requests that arrive in time are served as before."""
+closes; requests that arrive in time are served as before. Idle kept-alive connections
+(``--timeout-keep-alive``) stay open longer than clients keep them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dflash_server.api.read_timeout import http_protocol
 from server_fixtures import RunningServer, ScriptedGenerate, make_app, run_server
 
 TIMEOUT = 0.5
@@ -23,7 +23,7 @@ TIMEOUT = 0.5
 def server(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[RunningServer]:
     generate = ScriptedGenerate(["hel", "lo"])
     app = make_app(tiny_hybrid_path, draft_path, generate=generate, request_read_timeout=TIMEOUT)
-    with run_server(app, http=http_protocol(TIMEOUT)) as srv:
+    with run_server(app) as srv:  # served with its --request-read-timeout
         yield srv
 
 
@@ -110,3 +110,44 @@ def test_requests_in_time_are_served(server: RunningServer) -> None:
 
 
 HEAD_TYPE = {"content-type": "application/json"}
+
+
+def served(sock: socket.socket) -> bytes:
+    """Send a chat request on ``sock`` and read its whole answer, leaving the connection open
+    (b"" when the server had closed it)."""
+    sock.sendall(HEAD + BODY)
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        if not (chunk := sock.recv(65536)):
+            return raw
+        raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = int(
+        next(h for h in head.lower().split(b"\r\n") if h.startswith(b"content-length")).split(b":")[
+            1
+        ]
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_an_idle_connection_outlives_the_clients_pools(server: RunningServer) -> None:
+    """Idle for 5.5 s, longer than httpx (the OpenAI and Anthropic SDKs) keeps a pooled
+    connection: still served. uvicorn's own 5 s closed it then, and a client reusing it at
+    that moment got a reset."""
+    with connect(server) as sock:
+        assert served(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(5.5)
+        assert served(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_an_idle_connection_closes_after_the_keep_alive_timeout(
+    tiny_hybrid_path: Path, draft_path: Path
+) -> None:
+    app = make_app(tiny_hybrid_path, draft_path, generate=ScriptedGenerate(["hi"]),
+                   timeout_keep_alive=0.5)  # fmt: skip
+    with run_server(app) as srv, connect(srv) as sock:
+        assert served(sock).startswith(b"HTTP/1.1 200")
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # closed by the server, with nothing more sent

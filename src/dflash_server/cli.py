@@ -274,9 +274,8 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
     of ``group``, when the target is sharded over several machines)."""
     import uvicorn
 
-    from dflash_server.api.app import build_engine, create_app
+    from dflash_server.api.app import build_engine, create_app, server_options
     from dflash_server.api.metrics import Metrics
-    from dflash_server.api.read_timeout import http_protocol
     from dflash_server.api.shutdown import GracefulServer
 
     failure: list[str] = []
@@ -305,9 +304,7 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
         port=settings.port,
         log_config=_uvicorn_log_config(settings.log_level),
         log_level=settings.log_level,
-        http=http_protocol(settings.request_read_timeout),  # 408 for slow clients
-        # After the engine's grace period every stream has its final event; this is a backstop.
-        timeout_graceful_shutdown=int(settings.shutdown_timeout) + 10,
+        **server_options(settings),
     )
     server = GracefulServer(config, engine, settings.shutdown_timeout)
     sharded = "" if group is None else f", the target sharded over {group.size()} ranks"

@@ -112,6 +112,12 @@ class Settings(BaseSettings, _SamplingDefaults):
         description="seconds a request's headers, then its body, may take to arrive; slower "
         "clients get 408",
     )
+    timeout_keep_alive: float = Field(
+        75.0,
+        gt=0,
+        description="seconds an idle kept-alive connection stays open (longer than clients "
+        "keep one, so none reuses a connection as it closes)",
+    )
     shutdown_timeout: float = Field(
         5.0, ge=0, description="seconds in-flight requests may finish after SIGINT/SIGTERM"
     )

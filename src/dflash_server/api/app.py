@@ -17,6 +17,7 @@ from dflash_server.api.guard import RequestGuard
 from dflash_server.api.metrics import Metrics, RequestMetrics
 from dflash_server.api.metrics import router as metrics_router
 from dflash_server.api.openai_responses import ResponseStore
+from dflash_server.api.read_timeout import http_protocol
 from dflash_server.api.routes import public, router
 from dflash_server.api.web import web
 from dflash_server.engine.distributed import Channel
@@ -193,3 +194,15 @@ def create_app(
     # Outermost: every response, the guard's refusals included, gets its x-request-id.
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """The ``uvicorn.Config`` settings the app is served with (the tests' servers too)."""
+    return {
+        "http": http_protocol(settings.request_read_timeout),  # 408 for slow clients
+        # uvicorn's 5 s equals the idle time httpx (the OpenAI and Anthropic SDKs) keeps a
+        # pooled connection: a request sent as the server closed it got a reset.
+        "timeout_keep_alive": settings.timeout_keep_alive,
+        # After the engine's grace period every stream has its final event; a backstop.
+        "timeout_graceful_shutdown": int(settings.shutdown_timeout) + 10,
+    }
