@@ -31,9 +31,9 @@ from common import (
     write_json,
 )
 from dflash_server import load
+from dflash_server.adaptive.controller import BlockController, SharedPrior
+from dflash_server.adaptive.policy import FixedBlock
 from dflash_server.generation.calibrate import measure_costs
-from dflash_server.generation.controller import BlockController, SharedPrior
-from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder

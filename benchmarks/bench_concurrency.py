@@ -37,10 +37,10 @@ from mlx_lm.generate import BatchGenerator, generate_step
 
 from common import PROMPT, bench_target, published_drafter, write_json
 from dflash_server import load
+from dflash_server.adaptive.controller import BlockController, SharedPrior
 from dflash_server.generation.batch import BatchDecoder
-from dflash_server.generation.batch_budget import measure_pass_costs
 from dflash_server.generation.calibrate import measure_costs
-from dflash_server.generation.controller import BlockController, SharedPrior
+from dflash_server.generation.calibrate_passes import measure_pass_costs
 from dflash_server.generation.cycle import PREFILL_CHUNK
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler

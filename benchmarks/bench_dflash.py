@@ -27,7 +27,7 @@ from mlx_lm.generate import generate_step
 
 from common import PROMPT, bench_target, published_drafter, timed, write_json
 from dflash_server import load, load_draft
-from dflash_server.generation.policy import FixedBlock
+from dflash_server.adaptive.policy import FixedBlock
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder

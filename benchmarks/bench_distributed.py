@@ -137,8 +137,8 @@ def measure(folder: Path, streams: list[int], rounds: int) -> dict[str, Any]:
     drives the rows and reports; the others follow)."""
     group = world()
     model, tokenizer = load(folder, group)
-    pair = ModelPair.build(model, tokenizer, published_drafter(model, block_size=BLOCK))
-    pair.lockstep = group is not None
+    drafter = published_drafter(model, block_size=BLOCK)
+    pair = ModelPair.build(model, tokenizer, drafter, lockstep=group is not None)
     hidden = pair.target.parts.hidden_size
     out: dict[str, Any] = {}
     for n in streams:

@@ -45,7 +45,7 @@ from dflash_server import load, stream_generate
 from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.cycle import PREFILL_CHUNK
 from dflash_server.generation.pair import ModelPair
-from dflash_server.generation.request import GenerationRequest, block_policy
+from dflash_server.generation.request import GenerationRequest, block_policy, trained_block
 from dflash_server.generation.stream import Generation
 from dflash_server.generation.text import encode
 from dflash_server.models.vision import expand_pads, load_vision
@@ -91,7 +91,7 @@ def main() -> None:
         pair = ModelPair.of(model, tokenizer, draft, vision)
         picture = vision.prepare(image)
         ids = expand_pads(encode(tokenizer, text), vision.tokens.image, [vision.count(picture)])
-        request = GenerationRequest(tuple(ids), n, block=block_policy(draft, None),
+        request = GenerationRequest(tuple(ids), n, block=block_policy(trained_block(draft), None),
                                     images=(picture,))  # fmt: skip
         run = Generation(pair, request, prefill_step_size=512)
         batch = BatchDecoder(pair.target)

@@ -32,9 +32,9 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from common import bench_target, published_drafter
+from dflash_server.drafters.window import DEFAULT_WINDOW
 from dflash_server.generation.kv_memory import bytes_per_position, kv_geometry
 from dflash_server.generation.stream import stream_generate
-from dflash_server.models.window import DEFAULT_WINDOW
 from dflash_server.testing import build_target
 
 MB = 1e6

@@ -40,16 +40,16 @@ from mlx_lm.generate import generate_step
 
 from common import bench_target, published_drafter, write_json
 from dflash_server import load
+from dflash_server.adaptive.controller import BlockController, SharedPrior
+from dflash_server.adaptive.policy import FixedBlock
+from dflash_server.drafters.window import DEFAULT_WINDOW
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.calibrate import measure_costs
-from dflash_server.generation.controller import BlockController, SharedPrior
-from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.prefill import prefill_steps
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.window import DEFAULT_WINDOW
 from dflash_server.testing import ReplayDrafter
 
 
@@ -201,7 +201,7 @@ def busy(model: Any, draft: Any, factor: float, n: int) -> dict:
     import math
 
     from dflash_server.generation.batch import BatchDecoder
-    from dflash_server.generation.batch_budget import measure_pass_costs
+    from dflash_server.generation.calibrate_passes import measure_pass_costs
 
     target = TargetModel(model, draft.config.target_layer_ids)
     costs = measure_costs(model, draft)

@@ -39,13 +39,13 @@ import mlx_lm
 
 from common import write_json
 from dflash_server import load_draft
+from dflash_server.drafters.mtp import load_mtp
+from dflash_server.drafters.suffix import SharedSuffixIndex
 from dflash_server.generation.batch import BatchDecoder
-from dflash_server.generation.batch_budget import measure_pass_costs
+from dflash_server.generation.calibrate_passes import measure_pass_costs
 from dflash_server.generation.pair import SUFFIX_INDEX_BYTES, ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import Generation
-from dflash_server.generation.suffix import SharedSuffixIndex
-from dflash_server.models.loading import load_mtp
 from dflash_server.tools.train import train
 from distill_stdlib import (
     COPY_MARK,
@@ -139,10 +139,10 @@ class Runner:
         self.batches: dict[str | None, BatchDecoder] = {}
         for name, draft in {None: None, **drafts}.items():
             pair = ModelPair.build(model, tokenizer, draft)
-            pair.costs(suffix + 1)  # cycle costs, up to the widest suffix copy
+            pair.costs.get(suffix + 1)  # cycle costs, up to the widest suffix copy
             pass_costs = None
             if draft is not None:
-                pass_costs = measure_pass_costs(pair.target, draft, growth=pair.measured)
+                pass_costs = measure_pass_costs(pair.target, draft, growth=pair.costs.measured)
             self.pairs[name], self.batches[name] = pair, BatchDecoder(pair.target, None, pass_costs)
 
     def run(
@@ -280,7 +280,9 @@ def main() -> None:
         "copy": (copy_prompts, args.copy_tokens),
     }
     runner = Runner(model, tokenizer, drafts, args.suffix)
-    result["costs"] = {k: p.measured.describe() for k, p in runner.pairs.items() if p.measured}
+    result["costs"] = {
+        k: p.costs.measured.describe() for k, p in runner.pairs.items() if p.costs.measured
+    }
     measured = measure(args, runner, work, widest)
     result["rows"] = measured["rows"]
     result["copy_rate"] = copy_rate(measured["copy_outputs"], answers)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from common import PROMPT, bench_target, published_drafter, write_json
 from dflash_server import load
+from dflash_server.adaptive.policy import FixedBlock
 from dflash_server.chat.structured import GrammarConstraint, response_format_grammar
-from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder

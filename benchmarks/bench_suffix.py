@@ -33,6 +33,7 @@ import random
 import re
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,11 @@ import mlx.optimizers as optim
 
 from common import write_json
 from dflash_server import load
+from dflash_server.drafters.suffix import SharedSuffixIndex, SuffixProposer
 from dflash_server.generation.pair import SUFFIX_INDEX_BYTES, ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.sampling import SamplingParams
 from dflash_server.generation.stream import generate
-from dflash_server.generation.suffix import SharedSuffixIndex, SuffixProposer
 from dflash_server.testing import ReplayDrafter, build_target, random_drafter
 
 NAMES = [
@@ -294,7 +295,7 @@ def main() -> None:
     }
     for p in set(map(id, pairs.values())):
         pair = next(q for q in pairs.values() if id(q) == p)
-        print(pair.costs(args.suffix + 1).describe(), flush=True)
+        print(pair.costs.get(args.suffix + 1).describe(), flush=True)
     fresh_rng = random.Random(999)
     fresh = [[tokenizer.encode(f"def {a}({b}, {c}):\n")] for a, b, c in
              (fresh_rng.sample(NAMES, 3) for _ in range(args.prompts))]  # fmt: skip
@@ -332,9 +333,9 @@ def main() -> None:
                             reference = references[i]
                             assert reference is not None
                             replay = ReplayDrafter(prompt + reference, REPLAY_PATTERN, draft)
-                            pair = ModelPair.of(model, tokenizer, replay)
-                            pair.measured = pairs["dflash"].costs(args.suffix + 1)
-                        pair.suffix_index = index
+                            measured = pairs["dflash"].costs.get(args.suffix + 1)
+                            pair = ModelPair.of(model, tokenizer, replay, measured=measured)
+                        pair = replace(pair, suffix_index=index)
                         out, res = run(pair, prompt, args.tokens, block, params)
                         if params.greedy:
                             references[i] = references[i] or out

@@ -28,7 +28,6 @@ import mlx.core as mx
 from common import PROMPT, bench_target, published_drafter, write_json
 from dflash_server import load, load_draft
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.window import apply_draft_window
 from dflash_server.tools.common import decode
 
 
@@ -49,7 +48,7 @@ def draft_cost(model, tokenizer, args) -> dict:
     lengths = sorted({n for n in (512, 2048, args.context) if n <= args.context})
     for length in lengths:
         for window in [0, *args.windows]:
-            apply_draft_window(draft, window)
+            draft.set_window(window)
             dcache = draft.make_cache()
             draft.append_context(taps[:, :length], dcache)
             mx.eval([c.state for c in dcache])
@@ -84,7 +83,7 @@ def acceptance(model, tokenizer, args) -> dict:
     plain = decode(model, None, prompts, args.tokens)
     rows = []
     for window in [0, *args.windows]:
-        apply_draft_window(draft, window)
+        draft.set_window(window)
         spec = decode(model, draft, prompts, args.tokens)
         assert spec.tokens == plain.tokens, "windowed DFlash differs from plain greedy"
         rows.append({"window": window or "whole", "tau": round(spec.tau, 3)})

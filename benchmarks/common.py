@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_server.models.drafter import DFlashDraftModel
+from dflash_server.drafters.dflash import DFlashDraftModel
 from dflash_server.testing import build_target, random_drafter
 
 PROMPT = "def fibonacci(n: int) -> int:\n    # return the n-th Fibonacci number\n"

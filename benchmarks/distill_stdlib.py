@@ -229,9 +229,9 @@ def train_drafter(
 def per_prompt_modes(model, draft, prompts, n: int, repeats: int) -> dict:
     """Decode tokens/s per held-out prompt: plain, the fixed trained block and ``auto``
     (interleaved, medians of ``repeats``; the same tokens asserted)."""
+    from dflash_server.adaptive.controller import BlockController, SharedPrior
+    from dflash_server.adaptive.policy import FixedBlock
     from dflash_server.generation.calibrate import measure_costs
-    from dflash_server.generation.controller import BlockController, SharedPrior
-    from dflash_server.generation.policy import FixedBlock
     from dflash_server.generation.row import Row
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
     from dflash_server.generation.speculative import SpeculativeDecoder

@@ -7,6 +7,8 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # before any hub-aware import: tests never touch the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,19 @@ from typing import Any
 import pytest
 
 from dflash_server.testing import build_target
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before the workers start (once per temporary directory): compile MLX's CPU kernels, so
+    the first run on a fresh machine does not spend a server's start limit compiling
+    (tests/warm_kernels.py)."""
+    if hasattr(config, "workerinput") or config.option.collectonly:
+        return  # a worker: the controller warmed them
+    from warm_kernels import marker
+
+    if not marker().exists():
+        print("\nwarming MLX's kernels (once per temporary directory) ...", flush=True)
+        subprocess.run([sys.executable, str(Path(__file__).parent / "warm_kernels.py")], check=True)
 
 
 @pytest.fixture(scope="session")

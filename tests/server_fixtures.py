@@ -91,7 +91,7 @@ def run_server(app: Any, ready_timeout: float = 60.0, **config: Any) -> Iterator
     it (``config``: other ``uvicorn.Config`` settings); wait until /health is 200."""
     import uvicorn
 
-    from dflash_server.api.app import server_options
+    from dflash_server.serve.server import server_options
 
     port = free_port()
     options = {**server_options(app.state.settings), **config}
@@ -243,25 +243,69 @@ def slow(generate: Any, delay: float) -> Any:
     return wrapped
 
 
+class GeneratorStreams:
+    """The engine's running requests (``engine.streams.Streams``) as the responses of a
+    ``generate(models, request)`` test double, one per round (the first: the prefill's)."""
+
+    def __init__(self, generate: Any, models: Any) -> None:
+        self.generate, self.models = generate, models
+        self.runs: dict[Any, Iterator[Any]] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.runs)
+
+    def start(self, request: Any) -> Any:
+        stream = object()
+        self.runs[stream] = self.generate(self.models, request)
+        return stream
+
+    def stop(self, stream: Any) -> None:
+        run = self.runs.pop(stream, None)
+        close = getattr(run, "close", None)  # a generator's: frees its caches now
+        if close is not None:
+            close()
+
+    def step(self) -> dict[Any, Any]:
+        from dflash_server.generation.stream import GenerationResponse
+
+        out: dict[Any, Any] = {}
+        for stream, run in list(self.runs.items()):
+            try:
+                out[stream] = next(run)
+            except StopIteration:  # ended without a final response: as one of no tokens
+                out[stream] = GenerationResponse("", [], "length", 0, 0.0, 0, 0.0, 0.0)
+            except Exception as exc:
+                out[stream] = exc
+        return out
+
+
+def streams_of(generate: Any) -> Any:
+    """An ``Engine(streams=...)`` factory running the ``generate`` double (None: the real)."""
+    return None if generate is None else lambda models: GeneratorStreams(generate, models)
+
+
 def make_app(
     target: Path, draft: Path | str | None, *, generate: Any = None, **settings: Any
 ) -> Any:
     """An app serving the tiny fixture models (``draft``: a folder, "mtp" or None);
     ``generate`` swaps the engine's generation for a test double."""
-    from dflash_server.api.app import build_engine, create_app
+    from dflash_server.api.app import create_app
     from dflash_server.api.metrics import Metrics
+    from dflash_server.serve.engine import build_engine
     from dflash_server.settings import Settings
 
     s = Settings.load(target=str(target), draft=None if draft is None else str(draft), **settings)
     metrics = Metrics() if s.metrics else None
-    return create_app(s, build_engine(s, generate=generate, metrics=metrics), metrics)
+    engine = build_engine(s, streams=streams_of(generate), metrics=metrics)
+    return create_app(s, engine, metrics)
 
 
 def start_engine(models: Any, generate: Any, **settings: Any) -> Any:
     """A started ``Engine`` over already loaded models, with a (scripted) generate function."""
     from dflash_server.engine.worker import Engine
 
-    engine = Engine(lambda: models, generate=generate, **settings)
+    engine = Engine(lambda: models, streams=streams_of(generate), **settings)
     engine.start()
     assert engine.wait_ready(30)
     return engine
@@ -281,7 +325,7 @@ async def drain(job: Any, timeout: float = 30) -> list[Any]:
 SLOW_LOAD = """
 import sys, time
 import mlx.core as mx
-import dflash_server.generation.batch_budget as budget
+import dflash_server.generation.calibrate_passes as budget
 
 measure = budget.measure_pass_costs
 

@@ -75,8 +75,9 @@ def load(group: Any, target: str, draft: str, reference: list[int]) -> LoadedMod
     models = load_models(target, draft, group=group, suffix_tokens=32, calibration_cache=folder)
     real = models.pair
     replay = ReplayDrafter(reference, PATTERN, real.draft)  # type: ignore[arg-type]
-    pair = ModelPair.build(real.model, real.tokenizer, replay)  # type: ignore[arg-type]
-    pair.measured, pair.lockstep = real.measured, True
+    pair = ModelPair.build(
+        real.model, real.tokenizer, replay, measured=real.costs.measured, lockstep=True
+    )
     return LoadedModels(pair, models.summary, models.calibration)
 
 

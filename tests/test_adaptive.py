@@ -11,10 +11,10 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_server import stream_generate
-from dflash_server.generation.controller import AcceptanceModel, BlockController
-from dflash_server.generation.costs import CostModel
+from dflash_server.adaptive.controller import AcceptanceModel, BlockController
+from dflash_server.adaptive.costs import CostModel
+from dflash_server.adaptive.policy import Choice, FixedBlock
 from dflash_server.generation.pair import ModelPair
-from dflash_server.generation.policy import Choice, FixedBlock
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -297,7 +297,7 @@ def test_auto_through_stream_generate(tiny_hybrid):
     # predictable again. One rejection after full blocks is not yet a turn: it takes a few.
     pattern = [15] * 4 + [0] * 6 + [15] * 200
     draft = ReplayDrafter(ids + reference, pattern, random_drafter(model))
-    ModelPair.of(model, tokenizer, draft).measured = costs()  # no timing in tests
+    ModelPair.of(model, tokenizer, draft, measured=costs())  # no timing in tests
     out = list(stream_generate(model, draft, tokenizer, ids, "auto", max_tokens=n))
     assert [t for r in out for t in r.tokens] == reference
     stats = out[-1].stats
@@ -344,7 +344,7 @@ def test_a_new_request_starts_from_the_last_ones_stopping_point():
     """The pair's prior keeps where drafts stop being accepted, not only a per-draft rate:
     after a request whose drafts go wrong at the fourth, the next one starts about 4 wide,
     where the same rate spread evenly over the positions verifies drafts that will fail."""
-    from dflash_server.generation.controller import SharedPrior
+    from dflash_server.adaptive.controller import SharedPrior
 
     prior = SharedPrior()
     first = BlockController(16, costs(verify16=4.0), prior=prior)
@@ -362,7 +362,7 @@ def test_a_new_request_remembers_where_a_wider_cycle_failed(verify16):
     """Full 8-wide blocks say nothing past the eighth position; the one wider cycle that
     failed there is what keeps the next request from a wider first cycle (or, the evidence
     shrunk twice, a narrower one): it starts where the last one's estimate ended."""
-    from dflash_server.generation.controller import SharedPrior
+    from dflash_server.adaptive.controller import SharedPrior
 
     prior = SharedPrior()
     first = BlockController(16, costs(verify16=verify16), prior=prior)
@@ -375,7 +375,7 @@ def test_a_new_request_remembers_where_a_wider_cycle_failed(verify16):
 
 
 def test_a_new_request_starts_from_the_last_ones_acceptance():
-    from dflash_server.generation.controller import SharedPrior
+    from dflash_server.adaptive.controller import SharedPrior
 
     prior = SharedPrior()
     first = BlockController(16, costs(), prior=prior)

@@ -8,9 +8,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from dflash_server.adaptive.policy import Choice, FixedBlock
 from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit
-from dflash_server.generation.policy import Choice, FixedBlock
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -257,13 +257,11 @@ def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> Non
 def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) -> None:
     """Rows with different context lengths and widths, drafted together: each row's draft
     distribution (log q) and drafts equal its own pass; the context caches end the same."""
-    from dflash_server.generation.batch_draft import propose_rows
-    from dflash_server.generation.protocols import DraftRow
-    from dflash_server.models.window import apply_draft_window
+    from dflash_server.drafters.protocol import DraftRow
 
     model, _ = tiny_hybrid
     draft = random_drafter(model, block_size=8)
-    apply_draft_window(draft, 10, sinks=2)  # the server's sink window: rows drop context
+    draft.set_window(10, sinks=2)  # the server's sink window: rows drop context
     features = len(draft.config.target_layer_ids) * 64
     params = SamplingParams(temperature=0.8)
     mask = draft.config.mask_token_id
@@ -274,13 +272,14 @@ def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) ->
             cache = draft.make_cache()
             taps = mx.random.normal((1, context, features), key=mx.random.key(i))
             draft.append_context(taps[:, :-2], cache)  # some context cached, some new
+            draft.append_context(taps[:, -2:], cache)
             block = mx.array([[7 + i] + [mask] * (width - 1)])
-            out.append(DraftRow(draft, block, taps[:, -2:], cache, TokenSampler(params, i), None))
+            out.append(DraftRow(block, cache, TokenSampler(params, i)))
         return out
 
     together, apart = rows(), rows()
-    got = propose_rows(together)
-    want = [r.drafter.propose(r.block, r.context, r.cache, r.sampler, None) for r in apart]
+    got = draft.propose(together)
+    want = [draft.propose([r])[0] for r in apart]
     for (d1, q1), (d2, q2), a, b in zip(got, want, together, apart):
         assert d1.tolist() == d2.tolist()
         assert mx.allclose(q1, q2, atol=1e-4).item()
@@ -288,10 +287,10 @@ def test_one_drafter_pass_equals_each_row_alone(tiny_hybrid: tuple[Any, Any]) ->
 
 
 def test_verify_budget_caps_widths_where_the_batch_gains(tiny_hybrid: tuple[Any, Any]) -> None:
-    from dflash_server.generation.batch_budget import PassCosts, choose_widths
-    from dflash_server.generation.controller import BlockController
-    from dflash_server.generation.costs import CostModel
-    from dflash_server.generation.policy import Choice
+    from dflash_server.adaptive.controller import BlockController
+    from dflash_server.adaptive.costs import CostModel
+    from dflash_server.adaptive.pass_costs import PassCosts, choose_widths
+    from dflash_server.adaptive.policy import Choice
 
     model, _ = tiny_hybrid
     inner = random_drafter(model)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_server.adaptive.costs import CostModel
+from dflash_server.adaptive.pass_costs import PassCosts
 from dflash_server.engine import calibration
 from dflash_server.engine.calibration import CalibrationCache, default_folder
 from dflash_server.engine.loader import load_models
-from dflash_server.generation.batch_budget import PassCosts
-from dflash_server.generation.costs import CostModel
 from dflash_server.settings import Settings
 from server_fixtures import ScriptedGenerate, start_engine
 
@@ -157,14 +157,15 @@ def test_a_second_load_reads_both_costs_back(
 ) -> None:
     """Real measurements: the cycle costs at load, the batched pass costs in the engine; the
     second load takes both from the files, equal to what was measured."""
-    from dflash_server.generation import batch_budget, pair
+    from dflash_server.generation import calibrate_passes as batch_budget
+    from dflash_server.generation import pair
 
     def load() -> tuple[CostModel, PassCosts]:
         models = load_models(str(tiny_hybrid_path), str(draft_path), calibration_cache=tmp_path)
         engine = start_engine(models, ScriptedGenerate([]))
         engine.stop()
-        assert models.pair.measured is not None and engine.batch and engine.batch.costs
-        return models.pair.measured, engine.batch.costs
+        assert models.pair.costs.measured is not None and engine.batch and engine.batch.costs
+        return models.pair.costs.measured, engine.batch.costs
 
     measured = load()
     assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["batch", "cycle"]

@@ -15,12 +15,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 
 from dflash_server import DFlashDraftModel, load_draft, stream_generate
-from dflash_server.generation.policy import FixedBlock
+from dflash_server.adaptive.policy import FixedBlock
+from dflash_server.drafters.dflash2 import DFlash2Config, DFlash2DraftModel
+from dflash_server.drafters.protocol import DraftRow
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.dflash2 import DFlash2Config, DFlash2DraftModel
 from dflash_server.testing import random_dflash2_drafter
 from dflash_server.tools.common import save_drafter
 from test_sampling import total_variation, tv_tolerance
@@ -215,6 +216,13 @@ def walk(h: np.ndarray, logits: np.ndarray, anchor: int, sel) -> list[int]:
     return path
 
 
+def propose_one(draft, block, taps, sampler):
+    """One row's proposal on a fresh context of ``taps``."""
+    cache = draft.make_cache()
+    draft.append_context(taps, cache)
+    return draft.propose([DraftRow(block, cache, sampler)])[0]
+
+
 def test_selector_walk(tiny_hybrid):
     """Greedy proposals = an independent brute-force walk; zero codebooks = the top-1 tokens."""
     model, _ = tiny_hybrid
@@ -226,12 +234,12 @@ def test_selector_walk(tiny_hybrid):
     h = np.array(draft.hidden_states(block, taps, draft.make_cache())[0, 1:])
     logits = np.array(draft(block, taps, draft.make_cache(), logits_start=1)[0])
     top1 = np.argmax(logits, axis=-1).tolist()
-    drafts, log_q = draft.propose(block, taps, draft.make_cache(), greedy, None)
+    drafts, log_q = propose_one(draft, block, taps, greedy)
     assert log_q is None
     assert drafts.tolist() == walk(h, logits, 5, sel) != top1
     sel.predecessor_codebook = mx.zeros_like(sel.predecessor_codebook)
     sel.successor_codebook = mx.zeros_like(sel.successor_codebook)
-    assert draft.propose(block, taps, draft.make_cache(), greedy, None)[0].tolist() == top1
+    assert propose_one(draft, block, taps, greedy)[0].tolist() == top1
 
 
 def test_sampled_proposals_follow_their_log_q(tiny_hybrid):
@@ -352,21 +360,20 @@ class Planted(DFlash2DraftModel):
     plant: dict[int, int]
     bias, keep = 30.0, 1.0
 
-    def hidden_states(self, block_ids, target_hidden, cache):
-        h = super().hidden_states(block_ids, target_hidden, cache)
-        self.anchor = cache[0].offset  # absolute position of block position 0
-        return h
+    def block_states(self, rows):
+        self.anchor = rows[0].cache[0].offset  # absolute position of block position 0 (alone)
+        return super().block_states(rows)
 
     def bind(self, target):
         super().bind(target)
-        real = self._bound.logits
+        real = self.head.logits
 
         def planted(h):
             rows = [self.plant.get(self.anchor + 1 + i, -1) for i in range(h.shape[-2])]
             hit = mx.arange(real(h).shape[-1]) == mx.array(rows)[:, None]
             return self.keep * real(h) + self.bias * hit
 
-        self._bound.logits = planted
+        self.head.logits = planted
         return self
 
 

@@ -231,7 +231,7 @@ def test_the_startup_items_name_model_files_by_content(tmp_path: Path, draft_pat
     same files elsewhere (another path, another time) do not."""
     import shutil
 
-    from dflash_server.api.ranks import shared_items
+    from dflash_server.serve.ranks import shared_items
     from dflash_server.settings import Settings
 
     copy = shutil.copytree(draft_path, tmp_path / "elsewhere")

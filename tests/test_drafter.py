@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_server import DFlashConfig, DFlashDraftModel, load_draft, stream_generate
-from dflash_server.models.variants import default_target_layer_ids
+from dflash_server.drafters.config import default_target_layer_ids
 from dflash_server.testing import random_drafter
 
 # The published z-lab/Qwen3.5-4B-DFlash config.json, as downloaded (sizes only shrunk in tests).

@@ -10,7 +10,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_server import DFlashConfig, DFlashDraftModel, load_draft, stream_generate
-from dflash_server.models.loading import drafter_family
+from dflash_server.drafters import dflash
+from dflash_server.drafters.config import assistant_kwargs
+from dflash_server.drafters.registry import family_of
 from dflash_server.testing import random_drafter
 
 # z-lab/dflash tests/fixtures/assistant-config.json (Muse-Glimmer-30B-assistant), as downloaded.
@@ -61,16 +63,16 @@ ASSISTANT_LAYER = {
 
 
 def test_assistant_layout_maps_onto_dflash():
-    family = drafter_family(ASSISTANT_CONFIG)
-    config = family.parse(ASSISTANT_CONFIG)
-    assert family.name == "assistant" and family.model_class is DFlashDraftModel
+    family = family_of(ASSISTANT_CONFIG)
+    config = DFlashConfig(**assistant_kwargs(ASSISTANT_CONFIG))  # what its loader builds
+    assert family.name == "assistant" and family.load is dflash.load_assistant
     assert (config.block_size, config.mask_token_id, config.vocab_size) == (16, 201818, None)
     assert config.target_layer_ids == (1, 13, 25, 37, 49) and config.is_causal is False
     header = dict(ASSISTANT_TOP)
     for i in range(5):
         header.update({f"layers.{i}.{k}": v for k, v in ASSISTANT_LAYER.items()})
     assert len(header) == 58
-    remapped = family.remap({k: mx.zeros(v) for k, v in header.items()}, ASSISTANT_CONFIG)
+    remapped = dflash.remap_assistant({k: mx.zeros(v) for k, v in header.items()})
     model = DFlashDraftModel(config)
     assert {k: v.shape for k, v in remapped.items()} == {
         k: v.shape for k, v in tree_flatten(model.parameters())
@@ -80,8 +82,9 @@ def test_assistant_layout_maps_onto_dflash():
 
 def test_assistant_missing_key_is_named():
     cfg = {k: v for k, v in ASSISTANT_CONFIG.items() if k != "mask_token_id"}
+    assert family_of(cfg).name == "assistant"
     with pytest.raises(ValueError, match="mask_token_id"):
-        drafter_family(cfg).parse(cfg)
+        assistant_kwargs(cfg)
 
 
 def sliding_drafter(model, window: int = 6, **changes) -> DFlashDraftModel:

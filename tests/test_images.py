@@ -13,11 +13,11 @@ import pytest
 from PIL import Image
 
 from dflash_server import stream_generate
+from dflash_server.adaptive.policy import FixedBlock
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
 from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.images import PromptImages
-from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -258,8 +258,8 @@ def test_text_only_checkpoint_has_no_vision(tiny_hybrid_path: Path) -> None:
 
 def test_suffix_copies_use_the_true_positions(tiny_vl: tuple, vlm: tuple) -> None:
     """Copies (wider than a drafter block) verified after an image equal mlx-vlm's greedy."""
-    from dflash_server.generation.controller import BlockController
-    from dflash_server.generation.suffix import SharedSuffixIndex, SuffixProposer
+    from dflash_server.adaptive.controller import BlockController
+    from dflash_server.drafters.suffix import SharedSuffixIndex, SuffixProposer
     from test_suffix import cheap_verify
 
     ids, images, text = image_prompt(tiny_vl, PICTURES[:1])

@@ -15,6 +15,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
+from dflash_server.adaptive.policy import FixedBlock
 from dflash_server.chat.prompts import render_chat
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
@@ -22,7 +23,6 @@ from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.kv_memory import bytes_per_position, kv_geometry
 from dflash_server.generation.kv_quant import KVQuant, check_kv_bits, head_dim
 from dflash_server.generation.pair import ModelPair
-from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler

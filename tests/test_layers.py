@@ -15,17 +15,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dflash_server"
 # Lowest first. A module may import its own layer and the ones listed before it.
 LAYERS = [
     "models",
+    "drafters",
+    "adaptive",
     "generation",
     "chat",
     "engine",
     "config_files",
     "settings",
     "api",
+    "serve",
     "tools",
     "cli",
 ]
 # Outside the stack: the package face (the Python API) and the offline model builders.
-ABOVE_ALL = {"__init__": set(LAYERS) - {"cli"}, "testing": {"models", "generation"}}
+ABOVE_ALL = {
+    "__init__": set(LAYERS) - {"cli"},
+    "testing": {"models", "drafters", "adaptive", "generation"},
+}
 
 
 def _module(path: Path) -> str:

@@ -94,8 +94,8 @@ def test_prefill_chunks_end_where_a_cold_run_ends_them() -> None:
 def test_costs_grow_with_the_context(tiny_hybrid: Any) -> None:
     """The load-time measure gives each width's growth per context token; a long context
     makes wide cycles dearer, so the controller narrows them there."""
+    from dflash_server.adaptive.controller import BlockController
     from dflash_server.generation.calibrate import measure_costs
-    from dflash_server.generation.controller import BlockController
     from dflash_server.testing import random_drafter
 
     model, _ = tiny_hybrid
@@ -134,9 +134,9 @@ def test_growth_is_fitted_as_a_line_in_the_width() -> None:
 def test_a_windowed_drafter_stops_growing_at_its_window(tiny_hybrid: Any) -> None:
     """Past its window a drafter reads no more context: its share of a cycle (and of a batched
     pass) stops growing there, while the target's attention keeps growing."""
-    from dflash_server.generation.batch_budget import PassCosts
-    from dflash_server.generation.costs import CostModel
-    from dflash_server.models.window import context_reach
+    from dflash_server.adaptive.costs import CostModel
+    from dflash_server.adaptive.pass_costs import PassCosts
+    from dflash_server.generation.calibrate import _reach as context_reach
     from dflash_server.testing import random_drafter
 
     model, _ = tiny_hybrid
@@ -210,8 +210,8 @@ def _true_costs() -> tuple[Any, Any]:
     """What cycles (one row) and batched passes cost on a made-up machine: a plain pass 1 ms
     plus 0.1 ms per row, a drafted one 2 ms (drafter pass included) plus 0.1 ms per verified
     position."""
-    from dflash_server.generation.batch_budget import PassCosts
-    from dflash_server.generation.costs import CostModel
+    from dflash_server.adaptive.costs import CostModel
+    from dflash_server.adaptive.pass_costs import PassCosts
 
     verify = {w: (1.5 + 0.1 * w) * MS for w in (2, 4, 8, 16)}
     cycles = CostModel(plain=1.1 * MS, verify=verify, draft={2: 0.5 * MS, 16: 0.5 * MS})
@@ -254,7 +254,7 @@ def test_a_busy_calibration_recovers_alone(
 ) -> None:
     """Drafted cycles measured 5x dearer than they are: the request starts plain, its probes
     come in far cheaper than estimated, so it probes again soon and soon speculates."""
-    from dflash_server.generation.controller import BlockController
+    from dflash_server.adaptive.controller import BlockController
     from dflash_server.testing import ReplayDrafter, random_drafter
     from test_batching import make_decoder, plain_greedy, tokens_of
 
@@ -284,8 +284,8 @@ def test_a_busy_calibration_recovers_in_a_batch(
     them)."""
     import math
 
+    from dflash_server.adaptive.controller import BlockController
     from dflash_server.generation.batch import BatchDecoder
-    from dflash_server.generation.controller import BlockController
     from dflash_server.generation.target import TargetModel
     from dflash_server.testing import ReplayDrafter, random_drafter
     from test_batching import make_decoder, plain_greedy, step_rows, tokens_of
@@ -335,17 +335,16 @@ def test_a_windowed_drafter_skips_what_it_never_reads(
     """A 400-token prompt, a drafter window of 32 (4 sinks): only the positions it reads are
     projected (sinks, the window before the end and before each checkpoint), and its context
     (and a snapshot's windows) equal a prefill that projected every position."""
+    from dflash_server.adaptive.policy import FixedBlock
     from dflash_server.generation import prefill as prefill_module
-    from dflash_server.generation.policy import FixedBlock
     from dflash_server.generation.row import Row
     from dflash_server.generation.sampling import SamplingParams, TokenSampler
     from dflash_server.generation.target import TargetModel
-    from dflash_server.models.window import apply_draft_window
     from dflash_server.testing import random_drafter
 
     model, _ = tiny_hybrid
     draft = random_drafter(model, block_size=4)
-    apply_draft_window(draft, 32)
+    draft.set_window(32)
     prompt = [(11 * i) % 300 + 5 for i in range(400)]
     projected: list[int] = []
     append = draft.append_context

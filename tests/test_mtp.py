@@ -15,17 +15,19 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import save_model
 
-from dflash_server.engine.loader import describe, load_models
+from dflash_server.adaptive.policy import FixedBlock
+from dflash_server.drafters.mtp import load_mtp
+from dflash_server.engine.loader import load_models
 from dflash_server.engine.prefix_cache import PrefixCache
+from dflash_server.engine.summary import describe
 from dflash_server.generation.pair import ModelPair
-from dflash_server.generation.policy import FixedBlock
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.stream import generate
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.loading import load_arrays, load_mtp
+from dflash_server.models.loading import load_arrays
 from dflash_server.testing import _CORPUS, build_target
 from dflash_server.tools.target_fit import fit_lm
 from dflash_server.tools.train import train

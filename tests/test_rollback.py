@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_server.generation.policy import Choice, FixedBlock
+from dflash_server.adaptive.policy import Choice, FixedBlock
 from dflash_server.generation.prefill import prefill
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler

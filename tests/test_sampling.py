@@ -9,7 +9,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import pytest
 
-from dflash_server.generation.policy import FixedBlock
+from dflash_server.adaptive.policy import FixedBlock
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder

@@ -9,22 +9,22 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from dflash_server.adaptive.controller import BlockController
+from dflash_server.adaptive.costs import CostModel
+from dflash_server.adaptive.policy import FixedBlock
 from dflash_server.chat.budget import Budgeted
-from dflash_server.generation.controller import BlockController
-from dflash_server.generation.costs import CostModel
-from dflash_server.generation.pair import ModelPair
-from dflash_server.generation.policy import FixedBlock
-from dflash_server.generation.request import BlockPolicy, GenerationRequest
-from dflash_server.generation.row import Row
-from dflash_server.generation.sampling import SamplingParams, TokenSampler, point_mass
-from dflash_server.generation.speculative import SpeculativeDecoder
-from dflash_server.generation.stream import generate
-from dflash_server.generation.suffix import (
+from dflash_server.drafters.suffix import (
     HOLDER_BYTES,
     SharedSuffixIndex,
     SuffixProposer,
     TokenIndex,
 )
+from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.request import BlockPolicy, GenerationRequest
+from dflash_server.generation.row import Row
+from dflash_server.generation.sampling import SamplingParams, TokenSampler, point_mass
+from dflash_server.generation.speculative import SpeculativeDecoder
+from dflash_server.generation.stream import generate
 from dflash_server.generation.target import TargetModel
 from dflash_server.testing import random_drafter
 from test_logprobs_constraints import NoMultipleOfThree
@@ -250,7 +250,7 @@ def test_copies_are_exact_under_a_thinking_budget(tiny_hybrid: Any, with_drafter
     tokens, stats = run(draft, block)
     assert tokens == reference
     assert stats.sources["suffix"]["tokens"] > 10
-    assert max(pair.costs().verify) >= 33  # measured up to the widest copy
+    assert max(pair.costs.get().verify) >= 33  # measured up to the widest copy
 
 
 # -- inside a batched pass -----------------------------------------------------------------------

@@ -8,12 +8,12 @@ from mlx_lm.generate import generate_step
 
 from dflash_server import stream_generate
 from dflash_server.chat.prompts import render_chat
+from dflash_server.drafters.context import ContextCache
+from dflash_server.drafters.window import SinkContextCache
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.pair import ModelPair
 from dflash_server.generation.request import BlockPolicy, GenerationRequest
 from dflash_server.generation.stream import generate
-from dflash_server.models.context import ContextCache
-from dflash_server.models.window import SinkContextCache, apply_draft_window, default_window
 from dflash_server.testing import ReplayDrafter, random_drafter
 
 
@@ -53,17 +53,17 @@ def test_window_leaves_short_contexts_alone_and_bounds_long_ones(tiny_hybrid):
     taps = mx.random.normal((1, 40, len(draft.config.target_layer_ids) * 64), key=mx.random.key(1))
     block = mx.array([[5] + [draft.config.mask_token_id] * 3])
     full = draft(block, taps, draft.make_cache())
-    assert apply_draft_window(draft, 64) == 64
+    assert draft.set_window(64) == 64
     assert mx.allclose(draft(block, taps, draft.make_cache()), full, atol=1e-5).item()
-    apply_draft_window(draft, 12)
+    draft.set_window(12)
     cache = draft.make_cache()
     windowed = draft(block, taps, cache)
     assert not mx.allclose(windowed, full, atol=1e-4).item()
     assert all(c.fetch()[0].shape[2] == 12 for c in cache)
-    assert apply_draft_window(draft, 0) is None  # back to the whole context
+    assert draft.set_window(0) is None  # back to the whole context
     assert mx.allclose(draft(block, taps, draft.make_cache()), full, atol=1e-5).item()
     with pytest.raises(ValueError, match="sink"):
-        apply_draft_window(draft, 3)
+        draft.set_window(3)
 
 
 def test_config_sliding_window_size_is_the_default(tiny_hybrid, tmp_path):
@@ -72,7 +72,7 @@ def test_config_sliding_window_size_is_the_default(tiny_hybrid, tmp_path):
     model, _ = tiny_hybrid
     base = random_drafter(model)
     config = DFlashConfig(**{**base.config.__dict__, "sliding_window_size": 256})
-    assert default_window(DFlashDraftModel(config)) == 256
+    assert DFlashDraftModel(config).window == 256
     assert DFlashConfig.from_dict(config.to_dict()).sliding_window_size == 256
     assert "sliding_window_size" not in base.config.to_dict()
 
@@ -100,7 +100,7 @@ def test_prefix_cache_with_a_windowed_drafter_matches_a_cold_run(tiny_hybrid):
         {"role": "user", "content": "Italy?"},
     ]
     draft = random_drafter(model, block_size=4)
-    apply_draft_window(draft, 24)  # shorter than the prompts
+    draft.set_window(24)  # shorter than the prompts
 
     def run(prompt, cache):
         request = GenerationRequest(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import errno
 import logging
@@ -18,7 +17,6 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from dflash_server.config_files import DEFAULT_PRESET, SettingsError, list_presets
-from dflash_server.engine.blas import blas_hint
 from dflash_server.engine.distributed import world
 from dflash_server.engine.loader import (
     TARGET_PATTERNS,
@@ -208,18 +206,6 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _uvicorn_log_config(level: str) -> dict[str, Any]:
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = {**LOGGING_CONFIG, "loggers": dict(LOGGING_CONFIG["loggers"])}
-    config["loggers"]["dflash_server"] = {
-        "handlers": ["default"],
-        "level": level.upper(),
-        "propagate": False,
-    }
-    return config
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dflash-serve``; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -259,72 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 1
     if group is not None:
-        from dflash_server.api import ranks
+        from dflash_server.serve import ranks
 
         if (problem := ranks.refusal(settings, group, str(target_path), draft_path)) is not None:
             print(f"dflash-serve: error: {who}{problem}", file=sys.stderr)
             return 2
         if rank > 0:
             return ranks.follow(settings, str(target_path), draft_path, group)
+    from dflash_server.serve.server import serve
+
     return serve(settings, str(target_path), draft_path, group)
-
-
-def serve(settings: Settings, target_path: str, draft_path: str | None, group: Any = None) -> int:
-    """Run uvicorn until shutdown; the engine loads the models on its worker meanwhile (rank 0
-    of ``group``, when the target is sharded over several machines)."""
-    import uvicorn
-
-    from dflash_server.api.app import build_engine, create_app, server_options
-    from dflash_server.api.metrics import Metrics
-    from dflash_server.api.shutdown import GracefulServer
-
-    failure: list[str] = []
-    server: GracefulServer | None = None
-
-    def on_fatal(message: str) -> None:
-        failure.append(message)
-        if server is not None:
-            server.should_exit = True
-
-    if (hint := blas_hint()) is not None:
-        log.warning("%s", hint)
-    metrics = Metrics() if settings.metrics else None
-    engine = build_engine(
-        settings,
-        target_path=target_path,
-        draft_path=draft_path,
-        on_fatal=on_fatal,
-        metrics=metrics,
-        group=group,
-    )
-    app = create_app(settings, engine, metrics)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=_uvicorn_log_config(settings.log_level),
-        log_level=settings.log_level,
-        **server_options(settings),
-    )
-    server = GracefulServer(config, engine, settings.shutdown_timeout)
-    sharded = "" if group is None else f", the target sharded over {group.size()} ranks"
-    log.info("loading %s + %s%s", settings.target, settings.drafter or "no drafter", sharded)
-    # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run()
-    if engine.loading:
-        # Stopped while loading: the worker is inside MLX and cannot be interrupted, and
-        # finalizing the interpreter under it aborts in C++; so the process ends here, at once.
-        log.info("stopped while loading the models")
-        logging.shutdown()
-        os._exit(130)
-    if failure:
-        print(f"dflash-serve: error: {failure[0]}", file=sys.stderr)
-        if engine.stuck:  # inside a collective with a lost rank: finalizing would wait for it
-            logging.shutdown()
-            os._exit(1)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

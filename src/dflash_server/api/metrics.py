@@ -312,8 +312,8 @@ def _memory_gauges(engine: Engine) -> Iterator[Any]:
     mlx.add_metric(["peak"], mx.get_peak_memory())
     mlx.add_metric(["cache"], mx.get_cache_memory())
     yield mlx
-    if engine.models is not None:
-        index = engine.models.pair.suffix_index
+    if engine.served is not None:
+        index = engine.served.suffix_index
         yield GaugeMetricFamily(
             "dflash_suffix_index_bytes", "the shared suffix index's memory", index.bytes
         )

@@ -36,8 +36,8 @@ from dflash_server.api.types import (
 )
 from dflash_server.chat.prompts import Prompt, PromptError, render_chat, render_completion
 from dflash_server.chat.structured import Grammar
+from dflash_server.engine.summary import ServedModel
 from dflash_server.engine.worker import Engine
-from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.request import PLAIN, BlockPolicy, GenerationRequest, block_policy
 from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
 from dflash_server.models.vision import ImageInput
@@ -72,32 +72,37 @@ def check_model(requested: str | None, settings: Settings) -> None:
     )
 
 
-def _check_request(req: SamplingFields, settings: Settings, engine: Engine) -> None:
+def _check_request(req: SamplingFields, settings: Settings, engine: Engine) -> ServedModel:
+    """The model the request names, once it is ready to serve (else the status that says
+    why)."""
     check_model(req.model, settings)
     problem = unsupported_features(req)
     if problem is not None:
         param, message = problem
         raise APIError(400, message, param=param, code="unsupported_parameter")
-    if engine.state != "ready" or engine.models is None:
+    served = engine.served
+    if engine.state != "ready" or served is None:
         message = engine.error or "models are still loading; retry shortly (see GET /health)"
         raise APIError(503, message, code="model_not_ready", headers={"Retry-After": "5"})
+    return served
 
 
-def _block_policy(req: SamplingFields, settings: Settings, draft: Drafter | None) -> BlockPolicy:
-    """The request's block size (checked), else the server's (fitted to the drafter)."""
+def _block_policy(req: SamplingFields, settings: Settings, trained: int | None) -> BlockPolicy:
+    """The request's block size (checked), else the server's (fitted to the drafter's
+    ``trained`` block; None: no drafter)."""
     speculative = settings.speculative if req.speculative is None else req.speculative
     if not speculative:
         return PLAIN
     if req.block_size is None:
-        policy = block_policy(draft, settings.block_size, clamp=True)
-    elif draft is None:
+        policy = block_policy(trained, settings.block_size, clamp=True)
+    elif trained is None:
         raise APIError(400, "no drafter is loaded, block_size cannot apply", param="block_size")
     else:
         try:
-            policy = block_policy(draft, req.block_size)
+            policy = block_policy(trained, req.block_size)
         except ValueError as exc:
             raise APIError(400, str(exc), param="block_size", code="invalid_value") from exc
-    if settings.suffix_tokens and (policy.auto or draft is None):
+    if settings.suffix_tokens and (policy.auto or trained is None):
         policy = replace(policy, suffix=settings.suffix_tokens)
     return policy
 
@@ -106,27 +111,27 @@ def _request(
     req: SamplingFields,
     settings: Settings,
     engine: Engine,
+    served: ServedModel,
     prompt: Prompt,
     max_tokens: int | None,
     **extra: Any,
 ) -> GenerationRequest:
     """The generation request: the request's values over the server's defaults, fitted into
     the context window and the KV budget."""
-    assert engine.models is not None
-    ctx = engine.models.summary.context_length
+    ctx = served.summary.context_length
     room = ctx - len(prompt.tokens)
     if room <= 0:
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         raise ContextLengthError(len(prompt.tokens), ctx, param)
     # The KV budget bounds one request's output like the context does; a prompt that does not
     # fit it at all is refused at submission (503, docs/operations.md "KV memory budget").
-    if engine.ledger is not None and (fits := engine.ledger.room(len(prompt.tokens))) > 0:
+    if (fits := engine.output_room(len(prompt.tokens))) is not None and fits > 0:
         room = min(room, fits)
     sampling = {name: getattr(req, name) for name in SERVED_FIELDS}
     defaults = {name: getattr(settings, name) for name in SERVED_FIELDS}
     # Default: as many tokens as fit, so long answers are not cut off at an arbitrary cap.
     limit = max_tokens or settings.max_tokens or room
-    block = _block_policy(req, settings, engine.models.pair.draft)
+    block = _block_policy(req, settings, served.summary.block_size)
     params = SamplingParams(**(defaults | {k: v for k, v in sampling.items() if v is not None}))
     seed = None if req.seed == -1 else req.seed
     if (block.auto or block.suffix) and seed is not None and not params.greedy:
@@ -166,6 +171,7 @@ class ChatPrompt:
     forced: list[str] | None  # function names a grammar must force (tool_choice)
     thinking: bool  # the chat template's thinking switch, as the request set it
     images: tuple[ImageInput, ...] = ()  # in prompt order, each at its run of image tokens
+    served: ServedModel | None = None  # the model it was rendered for
 
 
 async def render_messages(
@@ -173,11 +179,10 @@ async def render_messages(
 ) -> ChatPrompt:
     """Check a chat request and render its prompt with the model's chat template; its images
     are decoded and checked here, and each takes its image tokens in the prompt."""
-    _check_request(req, settings, engine)
-    assert engine.models is not None
+    served = _check_request(req, settings, engine)
     messages, refs = template_messages(req.messages)
-    vision = engine.models.pair.vision
-    images = await load_images(refs, settings, vision, engine.models.summary.vision_note)
+    vision = served.vision
+    images = await load_images(refs, settings, vision, served.summary.vision_note)
     pads = None
     if vision is not None and images:
         pads = (vision.tokens.image, [vision.count(image) for image in images])
@@ -186,7 +191,7 @@ async def render_messages(
     thinking = thinking_enabled(req, settings.enable_thinking)
     render = functools.partial(
         render_chat,
-        engine.models.pair.tokenizer,
+        served.tokenizer,
         enable_thinking=thinking,
         template_kwargs=kwargs,
         tools=tools,
@@ -205,18 +210,19 @@ async def render_messages(
             prompt = await run_in_threadpool(render, merged)
         except PromptError as again:
             raise APIError(400, str(again), param="messages", code="invalid_messages") from exc
-    return ChatPrompt(prompt, tools, forced, thinking, tuple(images))
+    return ChatPrompt(prompt, tools, forced, thinking, tuple(images), served)
 
 
 async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: Engine) -> Prepared:
     """Validate a chat request: its prompt, grammar (tool_choice, response_format), thinking
     budget and sampling, as one GenerationRequest."""
     chat = await render_messages(req, settings, engine)
-    assert engine.models is not None
+    served = chat.served
+    assert served is not None
     parallel = req.parallel_tool_calls is not False
     grammar = await run_in_threadpool(
         answer_grammar,
-        engine.models.pair.tokenizer,
+        served.tokenizer,
         req.response_format,
         chat.tools,
         chat.forced,
@@ -227,10 +233,11 @@ async def prepare_chat(req: ChatCompletionRequest, settings: Settings, engine: E
     constraint = None if grammar is None else Grammar(grammar, think_end)
     max_tokens = req.max_completion_tokens or req.max_tokens
     request = _request(
-        req, settings, engine, chat.prompt, max_tokens, constraint=constraint, images=chat.images
-    )
+        req, settings, engine, served, chat.prompt, max_tokens, constraint=constraint,
+        images=chat.images,
+    )  # fmt: skip
     budget = thinking_budget(req, settings.max_thinking_tokens)
-    request = with_thinking_budget(request, budget, engine.models.summary.vocab_size)
+    request = with_thinking_budget(request, budget, served.summary.vocab_size)
     return Prepared(
         kind="chat",
         request=request,
@@ -249,8 +256,7 @@ async def prepare_completion(
     req: CompletionRequest, settings: Settings, engine: Engine
 ) -> Prepared:
     """Validate a text completion request and tokenize its prompt as is."""
-    _check_request(req, settings, engine)
-    assert engine.models is not None
+    served = _check_request(req, settings, engine)
     raw = (
         req.prompt[0]
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str)
@@ -263,13 +269,13 @@ async def prepare_completion(
         if len(ids) != len(raw):
             raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
         raw = ids
-        vocab = engine.models.summary.vocab_size
+        vocab = served.summary.vocab_size
         if vocab and any(not 0 <= t < vocab for t in raw):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
-    prompt = await run_in_threadpool(render_completion, engine.models.pair.tokenizer, raw)
+    prompt = await run_in_threadpool(render_completion, served.tokenizer, raw)
     return Prepared(
         kind="completion",
-        request=_request(req, settings, engine, prompt, req.max_tokens),
+        request=_request(req, settings, engine, served, prompt, req.max_tokens),
         model=req.model or settings.model_id,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),

@@ -71,7 +71,7 @@ def _submit(engine: Engine, metrics: MetricsDep, prepared: Prepared, endpoint: s
 
 
 def _tokenizer(engine: Engine) -> Any:
-    return engine.models.pair.tokenizer if engine.models else None
+    return engine.served.tokenizer if engine.served is not None else None
 
 
 @router.post("/v1/chat/completions")
@@ -170,8 +170,8 @@ async def get_model(
 
 
 def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[str, Any]:
-    models = engine.models
-    context = models.summary.context_length if models is not None else None
+    served = engine.served
+    context = served.summary.context_length if served is not None else None
     card: dict[str, Any] = {
         "id": settings.model_id,
         "object": "model",
@@ -181,8 +181,8 @@ def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[st
         "max_model_len": context,
         "max_input_tokens": context,
     }
-    if models is not None:  # known once loaded
-        images = models.summary.vision
+    if served is not None:  # known once loaded
+        images = served.summary.vision
         card["capabilities"] = ["completion", "chat", "tools", *(["vision"] if images else [])]
         card["modalities"] = {"input": ["text", *(["image"] if images else [])], "output": ["text"]}
     return card
@@ -203,7 +203,7 @@ def request_defaults(settings: Settings) -> dict[str, Any]:
 @public.get("/health")
 async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
     """200 when ready, 503 while loading or after a failed load; the body says which."""
-    summary = engine.models.summary.as_dict() if engine.models else {}
+    summary = engine.served.summary.as_dict() if engine.served is not None else {}
     body = {
         "status": engine.state,
         "models": [settings.model_id],

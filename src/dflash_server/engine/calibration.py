@@ -39,8 +39,9 @@ FORMAT = 1  # bump when the files' layout changes
 # The modules whose code decides what a measurement yields: editing one re-measures.
 MEASURING_CODE = (
     "dflash_server.generation.calibrate",
-    "dflash_server.generation.costs",
-    "dflash_server.generation.batch_budget",
+    "dflash_server.generation.calibrate_passes",
+    "dflash_server.adaptive.costs",
+    "dflash_server.adaptive.pass_costs",
 )
 # Environment that changes how fast the same code runs.
 SPEED_ENV = ("MLX_DISABLE_COMPILE", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")

@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from dflash_server.adaptive.costs import CostModel
+from dflash_server.drafters import registry
+from dflash_server.drafters.mtp import has_mtp
+from dflash_server.drafters.protocol import Drafter
+from dflash_server.drafters.registry import DEFAULT_WINDOW, load_drafter
+from dflash_server.drafters.suffix import SharedSuffixIndex
 from dflash_server.engine.calibration import CalibrationCache
 from dflash_server.engine.distributed import AgreedCalibration
+from dflash_server.engine.summary import ModelSummary, ServedModel, summarize
 from dflash_server.generation.batch import BatchDecoder
-from dflash_server.generation.costs import CostModel
 from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.pair import ModelPair
-from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.models.hooks import HookError
-from dflash_server.models.loading import flat_arrays, has_mtp, load, load_draft, load_mtp
-from dflash_server.models.vision import VisionTower, load_vision
-from dflash_server.models.window import DEFAULT_WINDOW, SINKS, default_window
+from dflash_server.models.loading import load
+from dflash_server.models.vision import load_vision
 
 log = logging.getLogger("dflash_server")
 
@@ -38,7 +41,6 @@ TARGET_PATTERNS = [
     "*.jinja",
 ]
 DRAFT_PATTERNS = ["*.json", "*.safetensors"]
-DEFAULT_CONTEXT = 32768
 MTP = "mtp"  # --draft mtp: the target checkpoint's own MTP head
 
 
@@ -90,37 +92,6 @@ def resolve_model(repo_or_path: str, role: str, patterns: list[str]) -> Path:
 
 
 @dataclass
-class ModelSummary:
-    """What was loaded, as the startup log, /health, /v1/models and the prompt checks read it."""
-
-    target: str
-    target_type: str
-    target_weights_gb: float
-    target_quantization: str
-    vocab_size: int | None
-    context_length: int
-    fingerprint: str  # identifies the pair's state on disk (prefix cache)
-    active_memory_gb: float = 0.0
-    draft: str | None = None
-    draft_family: str | None = None
-    draft_weights_gb: float | None = None
-    draft_quantization: str | None = None
-    draft_layers: int | None = None
-    block_size: int | None = None  # the drafter's trained block
-    target_layer_ids: list[int] = field(default_factory=list)
-    draft_window: int | None = None
-    cycle_costs: str | None = None  # the measured cost curve, described
-    suffix_drafts: bool = False  # copies from the context may be verified
-    suffix_tokens: int = 0  # the widest copy (its verify writes one position more)
-    mtp_available: bool = False  # no drafter, but the target checkpoint carries an MTP head
-    vision: bool = False  # prompts may hold images (the checkpoint's vision tower is loaded)
-    vision_note: str = "text only"  # what the startup log says about images
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-@dataclass
 class LoadedModels:
     """What the worker keeps resident: the model pair, what was loaded, and where its measured
     costs are kept (by default nowhere: measured at every load)."""
@@ -129,38 +100,11 @@ class LoadedModels:
     summary: ModelSummary
     calibration: CalibrationCache = field(default_factory=lambda: CalibrationCache(None, ""))
 
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _model_context(config: dict[str, Any]) -> int | None:
-    for cfg in (config, config.get("text_config") or {}):
-        value = cfg.get("max_position_embeddings")
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _weights_gb(module: Any) -> float:
-    return sum(v.nbytes for _, v in flat_arrays(module.parameters())) / 1e9
-
-
-def _vocab_size(config: dict[str, Any]) -> int | None:
-    for cfg in (config, config.get("text_config") or {}):
-        if isinstance(cfg.get("vocab_size"), int):
-            return cfg["vocab_size"]
-    return None
-
-
-def _quant(config: dict[str, Any]) -> str:
-    q = config.get("quantization") or config.get("quantization_config")
-    if not q:
-        return "unquantized"
-    return f"{q.get('bits', '?')}-bit (group {q.get('group_size', '?')})"
+    @property
+    def served(self) -> ServedModel:
+        """What the API may see of it."""
+        pair = self.pair
+        return ServedModel(self.summary, pair.tokenizer, pair.vision, pair.suffix_index)
 
 
 def load_models(
@@ -201,7 +145,6 @@ def load_models(
         raise ModelLoadError(
             f"cannot load target {target_label!r}{how}: {_first_line(exc)}"
         ) from exc
-    target_cfg = _read_config(target_path)
     tower = None
     if vision:
         try:
@@ -211,62 +154,57 @@ def load_models(
                 f"cannot load the vision tower of {target_label!r}: {_first_line(exc)} "
                 "(--no-vision serves text only)"
             ) from exc
-    drafter: Any = None
-    draft_cfg: dict[str, Any] = {}
+    drafter: Drafter | None = None
     draft_path = None
     if draft is not None:
         draft_path = target_path if draft == MTP else resolve_model(draft, "draft", DRAFT_PATTERNS)
-        draft_cfg = _read_config(draft_path)
         try:
-            if draft == MTP or str(draft_cfg.get("model_type", "")).endswith("_mtp"):
-                drafter = load_mtp(draft_path, model)
-            else:
-                drafter = load_draft(str(draft_path))
-                drafter.bind(model)
+            drafter = load_drafter(
+                draft_path,
+                model,
+                window=draft_window,
+                fallback_window=DEFAULT_WINDOW,
+                family=registry.MTP if draft == MTP else None,
+            )
         except Exception as exc:
             raise ModelLoadError(f"cannot use drafter {draft_label!r}: {_first_line(exc)}") from exc
+    fingerprint = _fingerprint(target_path, draft_path, group)
+    calibration = CalibrationCache(calibration_cache, fingerprint)
+    if group is not None:  # the ranks measure together: fixed counts, all cached or none
+        calibration = AgreedCalibration(group, calibration_cache, fingerprint)
     try:  # install the target's hooks now: their self-check fails here, not mid-request
-        pair = ModelPair.build(model, tokenizer, drafter, vision=tower)
+        pair = ModelPair.build(
+            model,
+            tokenizer,
+            drafter,
+            vision=tower,
+            lockstep=group is not None,
+            store=lambda measure, widest: calibration.fetch(
+                "cycle", CostModel, measure, widest=widest
+            ),
+            suffix_index=None
+            if suffix_cache_bytes is None
+            else SharedSuffixIndex(suffix_cache_bytes),
+        )
     except HookError as exc:
         raise ModelLoadError(f"cannot use target {target_label!r}: {exc}") from exc
-    model_ctx = _model_context(target_cfg) or DEFAULT_CONTEXT
-    summary = ModelSummary(
-        target=target_label,
-        target_type=target_cfg.get("model_type", "?"),
-        target_weights_gb=round(_weights_gb(model), 4),
-        target_quantization=_quant(target_cfg),
-        vocab_size=_vocab_size(target_cfg),
-        context_length=min(context_length, model_ctx) if context_length else model_ctx,
-        fingerprint=_fingerprint(target_path, draft_path, group),
-        suffix_drafts=bool(suffix_tokens),
+    costs = None
+    if measure and (drafter is not None or suffix_tokens):  # without either, nothing to choose
+        costs = pair.costs.get(suffix_tokens + 1 if suffix_tokens else 0)  # maybe read back
+    summary = summarize(
+        target_label,
+        target_path,
+        model,
+        draft=None if drafter is None else (str(draft_label), draft_path or target_path, drafter),
+        context_length=context_length,
+        fingerprint=fingerprint,
         suffix_tokens=suffix_tokens,
         mtp_available=drafter is None and has_mtp(target_path),
-        vision=tower is not None,
-        vision_note=_vision_note(tower, target_cfg, vision),
+        tower=tower,
+        vision_asked=vision,
+        cycle_costs=None if costs is None else costs.describe(),
+        active_memory_gb=round(mx.get_active_memory() / 1e9, 4),
     )
-    if drafter is not None:
-        if draft_window is None:
-            draft_window = default_window(drafter) or DEFAULT_WINDOW
-        summary.draft = draft_label
-        summary.draft_family = drafter.family
-        summary.draft_weights_gb = round(_weights_gb(drafter), 4)
-        summary.draft_quantization = _quant(draft_cfg)
-        summary.draft_layers = int(drafter.config.num_hidden_layers)
-        summary.block_size = int(drafter.config.block_size)
-        summary.target_layer_ids = list(drafter.config.target_layer_ids)
-        summary.draft_window = drafter.set_window(draft_window)
-    calibration = CalibrationCache(calibration_cache, summary.fingerprint)
-    if group is not None:  # the ranks measure together: fixed counts, all cached or none
-        calibration = AgreedCalibration(group, calibration_cache, summary.fingerprint)
-        pair.lockstep = True
-    if measure and (drafter is not None or suffix_tokens):  # without either, nothing to choose
-        widest = suffix_tokens + 1 if suffix_tokens else 0
-        measured = calibration.fetch("cycle", CostModel, partial(pair.costs, widest), widest=widest)
-        pair.measured = measured  # a cached one skips measuring
-        summary.cycle_costs = measured.describe()
-    if suffix_cache_bytes is not None:
-        pair.suffix_index = SharedSuffixIndex(suffix_cache_bytes)
-    summary.active_memory_gb = round(mx.get_active_memory() / 1e9, 4)
     return LoadedModels(pair, summary, calibration)
 
 
@@ -291,50 +229,6 @@ def _fingerprint(target: Path, draft: Path | None, group: Any = None) -> str:
     return h.hexdigest()[:32]
 
 
-def _vision_note(tower: VisionTower | None, config: dict[str, Any], asked: bool) -> str:
-    if tower is not None:
-        return f"takes images (vision tower: {_size(_weights_gb(tower.tower))} weights)"
-    if config.get("vision_config") and not asked:
-        return "text only (--no-vision)"
-    return "text only (the checkpoint has no vision tower)"
-
-
-def _size(gb: float) -> str:
-    return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
-
-
-def describe(summary: ModelSummary) -> str:
-    """One startup log line per model, so users see exactly what they are serving."""
-    s = summary
-    lines = [
-        f"target {s.target}: {s.target_type}, {_size(s.target_weights_gb)} weights, "
-        f"{s.target_quantization}, context {s.context_length}"
-    ]
-    if s.draft is not None:
-        lines.append(
-            f"draft {s.draft}: {s.draft_family}, {s.draft_layers} layers, "
-            f"{_size(s.draft_weights_gb or 0.0)} weights, {s.draft_quantization}, "
-            f"block size {s.block_size}, taps {s.target_layer_ids}"
-        )
-        window = s.draft_window
-        lines.append(
-            "draft context: "
-            + (f"{window} positions ({SINKS} sinks + newest)" if window else "the whole context")
-        )
-        if s.cycle_costs:
-            lines.append(s.cycle_costs)
-    else:
-        decoding = "suffix drafts and plain decoding" if s.suffix_drafts else "plain decoding"
-        lines.append(f"no drafter: {decoding}")
-        if s.mtp_available:  # say so, never switch silently
-            lines.append("this checkpoint carries an MTP head: --draft mtp drafts with it")
-        if s.cycle_costs:  # suffix copies still run: verify-only cycles
-            lines.append(s.cycle_costs)
-    lines.append(f"vision: {s.vision_note}")
-    lines.append(f"MLX active memory after load: {_size(s.active_memory_gb)}")
-    return "\n".join(lines)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -345,13 +239,15 @@ def make_batch(
 ) -> BatchDecoder:
     """The batch of the loaded pair; with the cycle costs measured at load, its pass costs too
     (from the calibration cache when this pair was measured on this machine before)."""
-    from dflash_server.generation.batch_budget import PassCosts, measure_pass_costs
+    # Looked up at the call: the CLI's tests slow this measurement down to catch mid-load.
+    from dflash_server.adaptive.pass_costs import PassCosts
+    from dflash_server.generation.calibrate_passes import measure_pass_costs
 
     pair = models.pair
-    costs = None
-    if pair.draft is not None and pair.measured is not None:
+    costs, growth = None, pair.costs.measured
+    if pair.draft is not None and growth is not None:
         measure = partial(
-            measure_pass_costs, pair.target, pair.draft, growth=pair.measured, fixed=pair.lockstep
+            measure_pass_costs, pair.target, pair.draft, growth=growth, fixed=pair.costs.fixed
         )
         costs = models.calibration.fetch("batch", PassCosts, measure)
         log.info("%s", costs.describe())

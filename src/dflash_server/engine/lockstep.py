@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dflash_server.adaptive.policy import Choice
 from dflash_server.engine.distributed import Channel, RankLost, Watchdog, lost
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.generation.batch import BatchDecoder, Outcome
-from dflash_server.generation.policy import Choice
 from dflash_server.generation.request import GenerationRequest
 from dflash_server.generation.row import Row
 from dflash_server.generation.stream import Generation

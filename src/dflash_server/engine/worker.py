@@ -7,7 +7,8 @@ one chunk per round) or ``LoneRows`` (``"interleave"``: each request cycles alon
 prompt chunk per round). Admission is in order, while the KV budget holds the head's
 reservation (``kv_budget.py``; alone it always fits: one that never could was refused at
 ``submit``). The engine owns the round: admit, drop cancelled requests, one
-``step`` of the rows, then each commit becomes its request's text events. Outputs are those of
+``step`` of the running streams (``streams.py``: each request's row, its commits made text),
+then each response becomes its request's events. Outputs are those of
 a lone run either way, and a short request finishes while a long one is still running.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
 event loop and stops at the next round. With the target sharded over several machines, a
@@ -21,7 +22,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -32,13 +33,12 @@ from dflash_server.engine.jobs import EngineNotReady, Event, Failed, Job, QueueF
 from dflash_server.engine.kv_budget import KVBudgetExceeded, KVLedger, build_ledger, positions
 from dflash_server.engine.loader import LoadedModels, ModelLoadError, make_batch
 from dflash_server.engine.prefix_cache import PrefixCache
-from dflash_server.engine.runs import DONE, Run
-from dflash_server.generation.batch import BatchDecoder, Outcome
+from dflash_server.engine.runs import Run
+from dflash_server.engine.streams import RowStreams, Streams
+from dflash_server.engine.summary import ServedModel
+from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.kv_quant import KVQuant
-from dflash_server.generation.request import GenerationRequest
-from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
-from dflash_server.generation.stream import Generation, GenerationResponse
 
 if TYPE_CHECKING:
     from dflash_server.engine.lockstep import Leader
@@ -49,10 +49,9 @@ SHUTDOWN = "server is shutting down"
 # advance in one target pass per round (generation/batch.py).
 BATCHING = ("interleave", "batched")
 
-# A test double for a request's generation on the resident models: its responses, one per
-# round (the first: the prefill's); it replaces the rows.
-GenerateFn = Callable[[LoadedModels, GenerationRequest], Iterator[GenerationResponse]]
 LoaderFn = Callable[[], LoadedModels]
+# The running requests on the loaded models; by default ``RowStreams`` (tests: a double).
+StreamsFn = Callable[[LoadedModels], Streams]
 
 
 class Engine:
@@ -65,7 +64,7 @@ class Engine:
         max_queue: int = 8,
         max_active: int | None = 1,
         prefill_step_size: int = 2048,
-        generate: GenerateFn | None = None,
+        streams: StreamsFn | None = None,
         on_fatal: Callable[[str], None] | None = None,
         on_ready: Callable[[], None] | None = None,
         prefix_cache: PrefixCache | None = None,
@@ -78,18 +77,19 @@ class Engine:
     ) -> None:
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
-        if lockstep is not None and (batching != "batched" or generate is not None):
+        if lockstep is not None and (batching != "batched" or streams is not None):
             raise ValueError("ranks run in lockstep only with batching='batched'")
         self.lockstep = lockstep
         self.batching, self.max_verify = batching, max_verify
         self.kv = kv  # quantized attention KV for every request (None: full precision)
         self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
-        self.rows: BatchDecoder | LoneRows = LoneRows()  # what each round steps
-        self._by_row: dict[Row, Run] = {}
+        self.rows: BatchDecoder | LoneRows = LoneRows()  # the rows requests decode on
+        self.streams: Streams | None = None  # what each round steps, after loading
+        self._by_stream: dict[Hashable, Run] = {}
         self.on_pass = on_pass  # each batched pass: (rows, verified positions)
         self._loader = loader
         self.prefix_cache = prefix_cache
-        self._generate = generate
+        self._streams = streams
         self._on_fatal = on_fatal
         self._on_ready = on_ready  # once requests are admitted (after every load-time measurement)
         self.max_queue = max_queue
@@ -102,6 +102,7 @@ class Engine:
         self.state = "loading"
         self.error: str | None = None
         self.models: LoadedModels | None = None
+        self.served: ServedModel | None = None  # what the API sees of the models, once loaded
         self._pending: collections.deque[Job] = collections.deque()
         self._active: list[Run] = []
         self._cond = threading.Condition()
@@ -207,6 +208,11 @@ class Engine:
                 return None
             return {"in_use_bytes": self.ledger.in_use, "budget_bytes": self.ledger.budget}
 
+    def output_room(self, prompt_tokens: int) -> int | None:
+        """The most tokens a request with this prompt may produce within the KV budget (None:
+        no budget; 0 or less: the prompt alone does not fit)."""
+        return None if self.ledger is None else self.ledger.room(prompt_tokens)
+
     def submit(self, job: Job) -> None:
         """Queue a job, or raise EngineNotReady / KVBudgetExceeded / QueueFull without
         queueing it."""
@@ -248,6 +254,7 @@ class Engine:
             return
         if self.batching == "batched":
             self.batch = self.rows = make_batch(self.models, self.max_verify, self.kv)
+        self.streams = (self._streams or self._row_streams)(self.models)
         if self._auto_active:
             supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
             self.max_active = max(4, supported)
@@ -257,6 +264,7 @@ class Engine:
         self.ledger = build_ledger(
             self.models, self._max_kv_memory, prefix, padded=padded, kv=self.kv
         )
+        self.served = self.models.served
         self.state = "ready"
         self._ready.set()
         if self._on_ready is not None:
@@ -284,7 +292,7 @@ class Engine:
 
     def _round(self) -> bool:
         """Admit waiting jobs up to ``max_active``, drop cancelled ones, then one step of the
-        rows (and of each test double's generator); each outcome goes to its request."""
+        streams; each response (or error) goes to its request."""
         heartbeat = self.lockstep.heartbeat_s if self.lockstep is not None else None
         with self._cond:
             while not self._pending and not self._active and not self._stopping:
@@ -313,31 +321,32 @@ class Engine:
             if run.job.cancelled:
                 log.info("request cancelled after %d tokens", run.produced)
                 self._end(run, Failed("request cancelled"))
-            elif run.gen is not None:
-                self._end(run, run.step())
-        if self.lockstep is not None or self.rows.busy:
+        assert self.streams is not None
+        if self.streams.busy:
             passes = self.batch.passes if self.batch is not None else 0
-            for row, outcome in self._step().items():
-                run = self._by_row[row]
-                self._end(run, run.feed(outcome))
+            for stream, outcome in self.streams.step().items():
+                run = self._by_stream[stream]
+                if isinstance(outcome, Exception):
+                    log.error("generation failed", exc_info=outcome)
+                    self._end(run, Failed(f"generation failed: {outcome}"))
+                elif run.deliver(outcome):
+                    self._end(run, run.finished())
             if self.on_pass is not None and self.batch is not None and self.batch.passes > passes:
                 self.on_pass(*self.batch.last_pass)
         return True
 
-    def _step(self) -> dict[Row, Outcome]:
-        if self.lockstep is not None:
-            assert self.batch is not None
-            return self.lockstep.step(self.batch)  # the round's decisions go to every rank
-        return self.rows.step()
+    def _row_streams(self, models: LoadedModels) -> Streams:
+        """Each request a ``Generation`` on the loaded pair, its row one of ``rows``."""
+        return RowStreams(
+            models.pair, self.rows, prefill_step_size=self.prefill_step_size,
+            prefix=self.prefix_cache, kv=self.kv, lockstep=self.lockstep,
+        )  # fmt: skip
 
-    def _end(self, run: Run, final: Event | None) -> None:
+    def _end(self, run: Run, final: Event) -> None:
         """Once a run has its final event: free its slot, then tell the client (its next
         request must fit)."""
-        if final is None:
-            return
-        event = run.finished() if final is DONE else final
         self._close(run)
-        run.job.emit(event)
+        run.job.emit(final)
 
     def _fail(self, message: str) -> None:
         self.state, self.error = "error", message
@@ -346,57 +355,39 @@ class Engine:
             self._on_fatal(message)
 
     def _start(self, job: Job) -> Run | None:
-        """Make the job's run: a row of the engine's rows (its prefill starts at this round's
-        step), or the test double's generator."""
+        """Make the job's run: its stream starts (its prefill at this round's step)."""
         if job.cancelled:
             return None
-        assert self.models is not None
-        m = self.models
+        assert self.models is not None and self.streams is not None
+        tokenizer = self.models.pair.tokenizer
         job.started = time.monotonic()
         if log.isEnabledFor(logging.DEBUG):  # prompt text only ever at debug level
-            log.debug("request prompt: %r", m.pair.tokenizer.decode(job.request.prompt)[-2000:])
+            log.debug("request prompt: %r", tokenizer.decode(job.request.prompt)[-2000:])
         if not self._active:
             mx.reset_peak_memory()  # the peak of the busy period that starts here
         texts = None
         if job.request.logprobs is not None:
-            texts = self._token_texts or TokenTexts(m.pair.tokenizer)
+            texts = self._token_texts or TokenTexts(tokenizer)
             self._token_texts = texts
         try:
-            if self._generate is not None:
-                return Run(job, texts, gen=self._generate(m, job.request))
-            generation = Generation(
-                m.pair, job.request, prefill_step_size=self.prefill_step_size,
-                prefix=self.prefix_cache, kv=self.kv,
-            )  # fmt: skip
-            request = job.request
-            self.rows.add(generation.row, generation.prompt, request.max_tokens,
-                          generation.eos_ids)  # fmt: skip
-            if self.lockstep is not None:
-                self.lockstep.added(generation.row, request)
+            stream = self.streams.start(job.request)
         except Exception as exc:
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {exc}"))
             return None
-        run = Run(job, texts, generation=generation)
-        self._by_row[generation.row] = run
+        run = self._by_stream[stream] = Run(job, stream, texts)
         return run
 
     def _close(self, run: Run) -> None:
-        """Drop an ended run; its row leaves the rows (caches freed now, not at GC)."""
+        """Drop an ended run; its stream leaves (caches freed now, not at GC)."""
         with self._cond:
             if run in self._active:
                 self._active.remove(run)
             if self.ledger is not None:
                 self.ledger.release(run.job)
         try:
-            if run.generation is not None:
-                self._by_row.pop(run.generation.row, None)
-                if self.lockstep is not None:
-                    self.lockstep.removed(run.generation.row)
-                self.rows.remove(run.generation.row)
-            close = getattr(run.gen, "close", None)  # a generator's: frees its caches now
-            if close is not None:
-                close()
+            if self._by_stream.pop(run.stream, None) is not None and self.streams is not None:
+                self.streams.stop(run.stream)
         except Exception:
             log.exception("closing a generation failed")
         elapsed = time.monotonic() - (run.job.started or run.job.created)

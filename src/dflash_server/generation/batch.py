@@ -4,8 +4,8 @@ Each request is a ``Row`` (sampler, penalties, constraint, width policy, drafter
 only the target cache is shared, as rows of a ``BatchCache``. A pass:
 
 1. every row chooses its cycle (a drafter block, a suffix copy, or width 1 = a plain decoding
-   row), narrowed by the verify budget; the drafting rows draft, each drafter's rows in one call
-   where it can (``batch_draft.py``); copies need no drafter pass;
+   row), narrowed by the verify budget; the drafting rows draft, each drafter's rows in one
+   call (``Drafter.propose``); copies need no drafter pass;
 2. one target forward verifies all rows, each right-padded to the widest;
 3. each row scores its own verify positions (``Row.score``: acceptance, bonus, logprobs, exactly
    as alone) and commits (``Row.read``);
@@ -31,16 +31,17 @@ import contextlib
 import math
 import time
 from collections.abc import Generator
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.generation.batch_budget import PassCosts, choose_widths
+from dflash_server.adaptive.pass_costs import PassCosts, choose_widths
+from dflash_server.adaptive.policy import DRAFTER, SUFFIX, Choice
+from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
-from dflash_server.generation.batch_draft import propose_rows
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit, Cycle
 from dflash_server.generation.kv_quant import KVQuant
-from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice
 from dflash_server.generation.prefill import prefill, prefill_steps, prefill_together
 from dflash_server.generation.row import Row
 from dflash_server.generation.speculative import LoneRows
@@ -55,7 +56,7 @@ _OFF = math.log(1.5)  # a pass this much cheaper than estimated says the costs a
 class BatchDecoder:
     """The running rows of one target model and their shared cache.
 
-    ``costs`` (measured pass costs, ``batch_budget.py``) caps the adaptive rows' widths where
+    ``costs`` (measured pass costs, ``adaptive/pass_costs.py``) caps the adaptive rows' widths where
     the batch commits the most tokens per second; ``max_verify`` caps the positions one pass
     verifies (rows x width): the widest rows are narrowed to fit (None: no cap). Rows it cannot
     hold (another model or taps, caches it cannot batch) run alone beside it (``LoneRows``).
@@ -235,7 +236,7 @@ class BatchDecoder:
         width, so its answer never depends on the rows beside it."""
         choices = [row.choose() for row in rows]
         widths = [c.size for c in choices]
-        if self.costs is not None and len(rows) > 1:  # the verify budget (batch_budget.py)
+        if self.costs is not None and len(rows) > 1:  # the verify budget (adaptive/pass_costs.py)
             budget = choose_widths(rows, choices, self.costs)
             if budget == widths:  # nothing narrowed: probing starts over once drafts ran
                 if max(widths) > 1:
@@ -329,12 +330,15 @@ def _drafts(
     """(drafts, log q) per row: a copy's from the host, the drafting rows' from their drafters
     (each drafter's rows in one call where it can), none for a plain row."""
     out: list[tuple[mx.array | None, mx.array | None]] = [(None, None)] * len(rows)
-    drafting = []
+    drafting: dict[int, list[tuple[int, DraftRow]]] = {}  # each drafter's rows, one call
     for i, (row, choice, history) in enumerate(zip(rows, choices, histories)):
         if choice.source == SUFFIX:
             out[i] = (mx.array(choice.tokens, dtype=mx.int32), None)
         elif choice.source == DRAFTER:
-            drafting.append((i, row.draft_row(choice.size, row.last, history)))
-    for (i, _), (drafts, log_q) in zip(drafting, propose_rows([d for _, d in drafting])):
-        out[i] = (drafts.astype(mx.int32), log_q)
+            mine = drafting.setdefault(id(row.draft), [])
+            mine.append((i, row.draft_row(choice.size, row.last, history)))
+    for mine in drafting.values():
+        draft = cast(Drafter, rows[mine[0][0]].draft)
+        for (i, _), (drafts, log_q) in zip(mine, draft.propose([d for _, d in mine])):
+            out[i] = (drafts.astype(mx.int32), log_q)
     return out

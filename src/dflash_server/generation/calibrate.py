@@ -12,6 +12,7 @@ import itertools
 import math
 import statistics
 import time
+from dataclasses import replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -19,16 +20,15 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from dflash_server.generation.controller import BlockController
-from dflash_server.generation.costs import CostModel, context_past
-from dflash_server.generation.policy import SUFFIX, Choice, FixedBlock
-from dflash_server.generation.protocols import Drafter
+from dflash_server.adaptive.controller import BlockController
+from dflash_server.adaptive.costs import CostModel, context_past, rising
+from dflash_server.adaptive.policy import SUFFIX, Choice, FixedBlock
+from dflash_server.drafters.protocol import Drafter, DraftRow
+from dflash_server.drafters.suffix import Proposal, SuffixProposer
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
-from dflash_server.generation.suffix import Proposal, SuffixProposer
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.window import context_reach
 
 
 def _widths(block: int) -> list[int]:
@@ -74,36 +74,47 @@ def measure_costs(
     deadline = None if fixed else start + budget_s
     short = _Pieces(target, draft, context, widest, plain_steps, deadline)
     drafting = {} if draft is None else {s: short.timed(short.drafting(s)) for s in {2, block}}
-    costs = CostModel(
-        plain=short.timed(short.plain),
-        verify=_rising({w: short.timed(short.verify(w)) for w in widths}),
-        draft=_rising(drafting),
-        context=context,
-    )
-    costs.verify[1] = min(costs.plain, min(costs.verify.values(), default=costs.plain))
+    plain = short.timed(short.plain)
+    verify = rising({w: short.timed(short.verify(w)) for w in widths})
+    verify[1] = min(plain, min(verify.values(), default=plain))
+    draft_costs = rising(drafting)
     for width in range(2, block):  # compile every width's graphs now, not in a request
-        if width not in costs.verify:
+        if width not in verify:
             short.verify(width)()
             short.drafting(width)()
+    slope: dict[int, float] = {}
+    draft_slope, draft_reach = 0.0, None
     if long_context > context:
         deadline = None if fixed else time.perf_counter() + budget_s
         long = _Pieces(target, draft, long_context, widest, plain_steps, deadline, context)
         span = long_context - context
         grown = {1: long.timed(long.plain), **{w: long.timed(long.verify(w)) for w in widths}}
-        shorter = {1: costs.plain, **costs.verify}
-        costs.slope = _linear_in_width({w: (t - shorter[w]) / span for w, t in grown.items()})
+        shorter = {1: plain, **verify}
+        slope = _linear_in_width({w: (t - shorter[w]) / span for w, t in grown.items()})
         if draft is not None:
-            costs.draft_reach = context_reach(draft)
-            reads = context_past(long_context, context, costs.draft_reach)  # its window's part
-            grown_draft = long.timed(long.drafting(block)) - costs.draft[block]
-            costs.draft_slope = max(0.0, grown_draft) / reads if reads else 0.0
+            draft_reach = _reach(draft)
+            reads = context_past(long_context, context, draft_reach)  # its window's part
+            grown_draft = long.timed(long.drafting(block)) - draft_costs[block]
+            draft_slope = max(0.0, grown_draft) / reads if reads else 0.0
+    costs = CostModel(plain, verify, draft_costs, context=context, slope=slope,
+                      draft_slope=draft_slope, draft_reach=draft_reach)  # fmt: skip
     if calibrate:
         prompt = cast("list[int]", short.ids[0, :context].tolist())
-        _calibrate(costs, target, draft, prompt, _widths(block))
         copies = [w for w in _widths(widest) if w > 1]
-        _calibrate_copies(costs, TargetModel(model, taps_ids), draft, prompt, copies)
-    costs.measured_s = time.perf_counter() - start
-    return costs
+        costs = replace(
+            costs,
+            residual=_calibrate(costs, target, draft, prompt, _widths(block)),
+            verify_residual=_calibrate_copies(
+                costs, TargetModel(model, taps_ids), draft, prompt, copies
+            ),
+        )
+    return replace(costs, measured_s=time.perf_counter() - start)
+
+
+def _reach(draft: Drafter) -> int | None:
+    """The most context positions the drafter reads (sinks included; None: all of them)."""
+    window = draft.context_window()
+    return None if window is None else sum(window)
 
 
 class _Pieces:
@@ -196,7 +207,7 @@ class _Pieces:
         def run() -> float:  # the drafter contract, so any family's selector is timed too
             with mx.stream(generation_stream):
                 t0 = time.perf_counter()
-                mx.eval(draft.propose(block_ids, None, self.draft_cache, greedy, None)[0])
+                mx.eval(draft.propose([DraftRow(block_ids, self.draft_cache, greedy)])[0][0])
                 return time.perf_counter() - t0
 
         return run
@@ -222,10 +233,11 @@ def _calibrate(
     prompt: list[int],
     widths: list[int],
     rounds: int = 2,
-) -> None:
-    """Start each width's residual from a short real decode at that width (plain steps and
-    cycles, interleaved over ``rounds``, the lower quartile of each): the loop's own host work per cycle (sync,
-    commit, bookkeeping) is what component timings miss, and it weighs differently by width."""
+) -> dict[int, float]:
+    """Each width's starting residual, from a short real decode at that width (plain steps and
+    cycles, interleaved over ``rounds``, the lower quartile of each): the loop's own host work
+    per cycle (sync, commit, bookkeeping) is what component timings miss, and it weighs
+    differently by width."""
 
     def periods(width: int, cycles: int) -> list[float]:
         sampler = TokenSampler(SamplingParams())
@@ -248,17 +260,15 @@ def _calibrate(
     # The lower quartile, not the median: a busy moment on a shared machine only adds time,
     # and one that spans half the calibration would otherwise steer every request's choices.
     loop = {w: _low(seconds) for w, seconds in gaps.items() if seconds}
-    spec = _rising({w: t for w, t in loop.items() if w > 1})  # a wider cycle never costs less
-    for width, seconds in {**loop, **spec}.items():
-        costs.residual[width] = math.log(seconds / costs.base(width))
+    spec = rising({w: t for w, t in loop.items() if w > 1})  # a wider cycle never costs less
+    return {w: math.log(seconds / costs.base(w)) for w, seconds in {**loop, **spec}.items()}
 
 
 class _Copies(BlockController):
     """Calibration only: every cycle verifies ``width - 1`` copied tokens (never accepted)."""
 
     def __init__(self, width: int, costs: CostModel):
-        super().__init__(1, costs.copy())
-        self.costs.refine = False
+        super().__init__(1, replace(costs.copy(), refine=False))
         self.width = width
 
     def choose(self, room: int, proposal: Proposal | None = None, context: int = 0) -> Choice:
@@ -277,8 +287,8 @@ def _calibrate_copies(
     prompt: list[int],
     widths: list[int],
     cycles: int = 3,
-) -> None:
-    """Start the verify-only residuals from short real decodes of copied-token cycles (no
+) -> dict[int, float]:
+    """The verify-only residuals to start from, from short real decodes of copied-token cycles (no
     drafter pass: what suffix drafts cost in the loop, which component timings miss)."""
     loop: dict[int, float] = {}
     for width in widths:
@@ -293,8 +303,7 @@ def _calibrate_copies(
             if len(stamps) == cycles + 2:
                 break
         loop[width] = _low([b - a for a, b in itertools.pairwise(stamps[1:])])  # as ``_calibrate``
-    for width, seconds in _rising(loop).items():
-        costs.verify_residual[width] = math.log(seconds / costs.base(width, drafted=False))
+    return {w: math.log(t / costs.base(w, drafted=False)) for w, t in rising(loop).items()}
 
 
 def _tiled(x: mx.array, length: int, axis: int = 1) -> mx.array:
@@ -321,11 +330,3 @@ def _low(seconds: list[float]) -> float:
     """The lower quartile of some timings (the median of their faster half)."""
     ordered = sorted(seconds)
     return statistics.median(ordered[: max(1, (len(ordered) + 1) // 2)])
-
-
-def _rising(points: dict[int, float]) -> dict[int, float]:
-    out, top = {}, 0.0
-    for width in sorted(points):
-        top = max(top, points[width])
-        out[width] = top
-    return out

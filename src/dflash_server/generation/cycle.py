@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from dflash_server.generation.policy import DRAFTER, Source
+from dflash_server.adaptive.policy import DRAFTER, Source
 
 FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
 

@@ -19,18 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
+from dflash_server.drafters.protocol import ContextLayer, Drafter
+from dflash_server.models.target_parts import find_target_parts, float_bytes
 
 STEP = 256  # columns a KV buffer grows by (mlx-lm's KVCache.step, RowLayout.step, ContextCache)
-
-
-@dataclass(frozen=True)
-class DraftLayer:
-    """One drafter layer's context cache: bytes per position, and the positions it keeps."""
-
-    bytes_per_token: int
-    bound: int | None  # newest positions kept (None: all of them)
-    sinks: int = 0  # first positions kept beside the newest (a sink window's)
 
 
 @dataclass(frozen=True)
@@ -40,7 +32,7 @@ class KVGeometry:
     kv_elements: int  # K and V elements per position, summed over the full-attention layers
     dtype_bytes: int  # bytes per K/V element (unquantized)
     recurrent_bytes: int  # fixed per request: every Gated DeltaNet layer's conv and state
-    draft: tuple[DraftLayer, ...] = ()
+    draft: tuple[ContextLayer, ...] = ()
     block: int = 1  # widest verify block: positions a verify writes past the committed ones
 
 
@@ -80,23 +72,22 @@ def kv_bytes(
     return kv + g.recurrent_bytes + draft_bytes(g, tokens)
 
 
-def kv_geometry(model: Any, draft: Any = None, block: int = 1) -> KVGeometry | None:
-    """Read the cache sizes off an mlx-lm target (and its drafter); None when its layers are
-    not the kind this knows (attention with ``k_proj``/``v_proj``, Gated DeltaNet)."""
+def kv_geometry(model: Any, draft: Drafter | None = None, block: int = 1) -> KVGeometry | None:
+    """Read the cache sizes off an mlx-lm target (and what its drafter's context keeps); None
+    when its layers are not the kind this knows (attention with ``k_proj``/``v_proj``, Gated
+    DeltaNet)."""
     from mlx_lm.models.cache import ArraysCache, KVCache
-
-    from dflash_server.models.target_parts import find_target_parts
 
     try:
         parts = find_target_parts(model)
-        act = _float_bytes(parts.embed_tokens)
+        act = float_bytes(parts.embed_tokens)
         elements = recurrent = 0
         kv_dtype = act
         for layer, cache in zip(parts.layers, model.make_cache(), strict=True):
             if type(cache) is KVCache:
                 attn = layer.self_attn
                 elements += attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
-                kv_dtype = max(kv_dtype, _float_bytes(attn.k_proj))
+                kv_dtype = max(kv_dtype, float_bytes(attn.k_proj))
             elif type(cache) is ArraysCache:
                 gdn = layer.linear_attn
                 conv = (gdn.conv_kernel_size - 1) * gdn.conv_dim * act
@@ -104,34 +95,7 @@ def kv_geometry(model: Any, draft: Any = None, block: int = 1) -> KVGeometry | N
                 recurrent += conv + state
             else:
                 return None
-        layers = _draft_layers(draft, act) if draft is not None else ()
+        layers = draft.context_layers(act) if draft is not None else ()
     except (AttributeError, ValueError, TypeError):
         return None
     return KVGeometry(elements, kv_dtype, recurrent, layers, max(1, block))
-
-
-def _draft_layers(draft: Any, act: int) -> tuple[DraftLayer, ...]:
-    inner = getattr(draft, "inner", draft)  # a wrapping drafter (tests) holds the real layers
-    out = []
-    for layer in getattr(inner, "layers", []):
-        attn = getattr(layer, "self_attn", None)
-        if attn is None or not hasattr(attn, "k_proj"):
-            continue
-        width = attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
-        per_token = width * max(act, _float_bytes(attn.k_proj))
-        window, context = getattr(attn, "window", None), getattr(attn, "context_window", None)
-        if window is not None:  # a sliding layer keeps window - 1 positions
-            out.append(DraftLayer(per_token, window - 1))
-        elif context is not None:  # a sink window: sinks + the newest window - sinks
-            size, sinks = context
-            out.append(DraftLayer(per_token, size - sinks, sinks))
-        else:
-            out.append(DraftLayer(per_token, None))
-    return tuple(out)
-
-
-def _float_bytes(module: Any) -> int:
-    """Bytes per element of what a (possibly quantized) layer computes in."""
-    weight = module.weight
-    dtype = weight.dtype if mx.issubdtype(weight.dtype, mx.floating) else module.scales.dtype
-    return int(dtype.size)

@@ -1,26 +1,27 @@
 """The loaded target/drafter pair: the one owner of everything DFlash keeps per pair.
 
-The engine builds one at load; the Python API (``stream_generate``) finds its pair through
-``ModelPair.of``, made once per (model, drafter) and kept on the model, since mlx modules are
-dicts (unhashable, so no WeakKeyDictionary): that is the only registry.
+The engine builds one at load, whole; the Python API (``stream_generate``) finds its pair
+through ``ModelPair.of``, made once per (model, drafter) and kept on the model, since mlx
+modules are dicts (unhashable, so no WeakKeyDictionary): that is the only registry.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from dflash_server.adaptive.controller import SharedPrior
+from dflash_server.adaptive.costs import CostModel
+from dflash_server.drafters.protocol import Drafter
+from dflash_server.drafters.suffix import SharedSuffixIndex
 from dflash_server.generation.calibrate import measure_costs
-from dflash_server.generation.controller import SharedPrior
-from dflash_server.generation.costs import CostModel
-from dflash_server.generation.protocols import Drafter
-from dflash_server.generation.suffix import SharedSuffixIndex
 from dflash_server.generation.target import TargetModel
 from dflash_server.models.vision import VisionTower
 
@@ -55,7 +56,38 @@ class WiredLimit:
                     self._context.__exit__(None, None, None)
 
 
-@dataclass
+# Where measured costs are kept (the engine's calibration cache): given how to measure them
+# and the widest verify wanted, it returns the costs, read back or measured.
+CostStore = Callable[[Callable[[], CostModel], int], CostModel]
+
+
+class PairCosts:
+    """The pair's cycle costs, which "auto" decides by: given at build, else measured on first
+    use (through ``store``, which may read them back instead); measured again when a verify
+    wider than measured is asked for (suffix copies). Shared by the views of a pair."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        draft: Drafter | None,
+        *,
+        measured: CostModel | None = None,
+        fixed: bool = False,
+        store: CostStore | None = None,
+    ) -> None:
+        self.model, self.draft, self.fixed, self.store = model, draft, fixed, store
+        self.measured = measured
+
+    def get(self, widest: int = 0) -> CostModel:
+        if self.measured is None or max(self.measured.verify) < widest:
+            measure = partial(
+                measure_costs, self.model, self.draft, widest=widest, fixed=self.fixed
+            )
+            self.measured = measure() if self.store is None else self.store(measure, widest)
+        return self.measured
+
+
+@dataclass(frozen=True)
 class ModelPair:
     """A target, its tokenizer, its drafter (bound to it; None: plain decoding only) and its
     vision tower (None: text only), with the per-pair state: the tapped target, the cycle
@@ -67,11 +99,9 @@ class ModelPair:
     draft: Drafter | None
     target: TargetModel
     wired: WiredLimit
-    vision: VisionTower | None = None  # the checkpoint's vision tower (None: text only)
+    costs: PairCosts
+    vision: VisionTower | None = None
     prior: SharedPrior = field(default_factory=SharedPrior)
-    measured: CostModel | None = None  # set by ``costs()``, or at load by the engine
-    # Ranks of a sharded target measure together: fixed repetition counts (``measure_costs``).
-    lockstep: bool = False
     suffix_index: SharedSuffixIndex = field(
         default_factory=lambda: SharedSuffixIndex(SUFFIX_INDEX_BYTES)
     )
@@ -82,18 +112,33 @@ class ModelPair:
         model: nn.Module,
         tokenizer: TokenizerWrapper,
         draft: Drafter | None,
-        wired: WiredLimit | None = None,
+        *,
         vision: VisionTower | None = None,
+        measured: CostModel | None = None,
+        lockstep: bool = False,
+        store: CostStore | None = None,
+        suffix_index: SharedSuffixIndex | None = None,
+        wired: WiredLimit | None = None,
     ) -> ModelPair:
-        """Bind the drafter and install the target's hooks (their self-check raises here);
-        with a vision tower, the hooks that let image prompts give their own positions."""
-        if draft is not None:
-            draft.bind(model)
+        """Install the target's hooks for a bound drafter's taps (their self-check raises
+        here); with a vision tower, the hooks that let image prompts give their own positions.
+        ``measured``: the costs, if known; ``lockstep``: ranks of a sharded target measure
+        together (fixed repetition counts, ``measure_costs``); ``store``: where measured costs
+        are kept."""
         taps = tuple(draft.config.target_layer_ids) if draft is not None else ()
         target = TargetModel(model, taps)
         if vision is not None:
             target.place_positions()
-        return cls(model, tokenizer, draft, target, wired or WiredLimit(model), vision)
+        return cls(
+            model,
+            tokenizer,
+            draft,
+            target,
+            wired or WiredLimit(model),
+            PairCosts(model, draft, measured=measured, fixed=lockstep, store=store),
+            vision,
+            suffix_index=suffix_index or SharedSuffixIndex(SUFFIX_INDEX_BYTES),
+        )
 
     @classmethod
     def of(
@@ -102,30 +147,23 @@ class ModelPair:
         tokenizer: TokenizerWrapper,
         draft: Drafter | None,
         vision: VisionTower | None = None,
+        measured: CostModel | None = None,
     ) -> ModelPair:
-        """The Python API's pair for (model, draft): built on first use, kept on the model
-        (one wired-memory holder per model, whichever drafter runs with it); ``vision``, when
-        given, becomes its vision tower."""
+        """The Python API's pair for (model, draft): built on first use and kept on the model
+        (one wired-memory holder per model, whichever drafter runs with it), seen with this
+        call's ``tokenizer`` and ``vision`` (a view sharing its state). The drafter is bound
+        at each call: the caller may have used it with another model since."""
         pairs: dict[int, ModelPair] = model.__dict__.setdefault("_dflash_pairs", {})
+        if draft is not None:
+            draft.bind(model)
         pair = pairs.get(id(draft))
         if pair is None or pair.draft is not draft:
             wired = next(iter(pairs.values())).wired if pairs else None
-            pair = pairs[id(draft)] = cls.build(model, tokenizer, draft, wired)
-        else:
-            if draft is not None:
-                draft.bind(model)  # cheap; the caller may have rebound it elsewhere
-            pair.tokenizer = tokenizer
+            pair = pairs[id(draft)] = cls.build(
+                model, tokenizer, draft, vision=vision, measured=measured, wired=wired
+            )
         if vision is not None and pair.vision is not vision:
             pair.target.place_positions()
-            pair.vision = vision
-        return pair
-
-    def costs(self, widest: int = 0) -> CostModel:
-        """The pair's cycle costs, measured on first use (the engine measures at load, so
-        requests never wait for it), again when a verify up to ``widest`` positions (suffix
-        copies) was not measured yet. Without a drafter: plain steps and verify-only cycles."""
-        if self.measured is None or max(self.measured.verify) < widest:
-            self.measured = measure_costs(
-                self.model, self.draft, widest=widest, fixed=self.lockstep
-            )
-        return self.measured
+        if pair.tokenizer is tokenizer and (vision is None or pair.vision is vision):
+            return pair
+        return replace(pair, tokenizer=tokenizer, vision=vision or pair.vision)

@@ -24,9 +24,9 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from dflash_server.drafters.prompt import feed_prompt, prompt_reads
 from dflash_server.generation.batch_cache import BatchCache
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit, Cycle
-from dflash_server.generation.draft_context import feed_prompt, prompt_reads
 from dflash_server.generation.prefix import Checkpoint
 from dflash_server.generation.row import Row
 from dflash_server.generation.target import TargetModel

@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 if TYPE_CHECKING:
-    from dflash_server.models.context import DraftContext
+    from dflash_server.drafters.protocol import DraftContext
 
 KV = tuple[mx.array, mx.array]  # keys, values: [B, heads, tokens, head_dim]
 Quantized = tuple[mx.array, mx.array, mx.array]  # mx.quantize's (data, scales, biases)

@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from dflash_server.generation.protocols import ConstraintSpec, Drafter, TokenConstraint
+from dflash_server.drafters.protocol import Drafter
+from dflash_server.generation.protocols import ConstraintSpec, TokenConstraint
 from dflash_server.generation.sampling import SamplingParams, fresh_entropy
 from dflash_server.models.vision import ImageInput
 
@@ -96,12 +97,17 @@ class GenerationRequest:
         return self.block.width > 1
 
 
-def block_size_for(draft: Drafter | None, requested: int | None, *, clamp: bool = False) -> int:
-    """The verify width for ``requested`` with this drafter: 1 without one, its trained block
-    when None. Out of range raises ValueError naming the range, or is clamped into it."""
-    if draft is None:
+def trained_block(draft: Drafter | None) -> int | None:
+    """The block ``draft`` was trained on (its widest verify); None without a drafter."""
+    return None if draft is None else int(draft.config.block_size)
+
+
+def block_size_for(trained: int | None, requested: int | None, *, clamp: bool = False) -> int:
+    """The verify width for ``requested`` with a drafter trained on ``trained``-wide blocks
+    (None: no drafter, width 1); its trained block when None. Out of range raises ValueError
+    naming the range, or is clamped into it."""
+    if trained is None:
         return 1
-    trained = int(draft.config.block_size)
     if requested is None:
         return trained
     if clamp:
@@ -116,15 +122,16 @@ AUTO = "auto"
 
 
 def block_policy(
-    draft: Drafter | None, requested: BlockSize | None, *, clamp: bool = False
+    trained: int | None, requested: BlockSize | None, *, clamp: bool = False
 ) -> BlockPolicy:
-    """The policy for a requested block size: "auto" adapts per cycle up to the drafter's
-    trained block; a number (or None, the trained block) is fixed. Without a drafter always
-    plain decoding. A bad number raises or is clamped as in ``block_size_for``."""
-    if draft is None:
+    """The policy for a requested block size with a drafter trained on ``trained``-wide blocks
+    (None: no drafter, always plain decoding): "auto" adapts per cycle up to the trained block;
+    a number (or None, the trained block) is fixed. A bad number raises or is clamped as in
+    ``block_size_for``."""
+    if trained is None:
         return PLAIN
     if requested == AUTO:
-        return BlockPolicy(block_size_for(draft, None), auto=True)
+        return BlockPolicy(trained, auto=True)
     if isinstance(requested, str):
         raise ValueError(f"block_size must be a number or 'auto', got {requested!r}")
-    return BlockPolicy(block_size_for(draft, requested, clamp=clamp))
+    return BlockPolicy(block_size_for(trained, requested, clamp=clamp))

@@ -29,15 +29,16 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from dflash_server.adaptive.policy import DRAFTER, PLAIN, SUFFIX, Choice, FixedBlock, WidthPolicy
+from dflash_server.drafters.protocol import Drafter, DraftRow
+from dflash_server.drafters.suffix import SuffixProposer
 from dflash_server.generation.cycle import FLUSH, Commit, Cycle, terminate
 from dflash_server.generation.images import PromptImages
 from dflash_server.generation.kv_quant import KVQuant
-from dflash_server.generation.policy import DRAFTER, PLAIN, SUFFIX, Choice, FixedBlock, WidthPolicy
 from dflash_server.generation.prefix import Checkpoint, PromptSnapshot, supported
-from dflash_server.generation.protocols import Drafter, DraftRow, PrefixStore, TokenConstraint
+from dflash_server.generation.protocols import PrefixStore, TokenConstraint
 from dflash_server.generation.sampling import TokenSampler, apply_mask, point_mass, token_logprobs
 from dflash_server.generation.stats import SpeculativeStats
-from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 
 _UNSEEN = object()  # the prefix cache was not asked yet
@@ -229,7 +230,7 @@ class Row:
         self._flush_context()
         mask = mx.full((size - 1,), draft.config.mask_token_id, dtype=anchor.dtype)
         block = mx.concatenate([anchor, mask])[None]
-        return DraftRow(draft, block, None, _ctx(self.draft_cache), self.sampler, history)
+        return DraftRow(block, _ctx(self.draft_cache), self.sampler, history)
 
     def score(
         self,

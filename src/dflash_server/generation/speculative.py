@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from dflash_server.adaptive.policy import DRAFTER, SUFFIX, Choice
+from dflash_server.drafters.protocol import Drafter
 from dflash_server.generation.cycle import Commit, Cycle
-from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice
 from dflash_server.generation.prefill import prefill, prefill_steps
 from dflash_server.generation.row import Row
 from dflash_server.models.mrope import Positions
@@ -105,7 +106,8 @@ class SpeculativeDecoder:
         with mx.stream(generation_stream):
             history = row.history()
             if choice.source == DRAFTER:
-                drafts, log_q = row.draft_row(choice.size, anchor, history).propose()
+                drafter = cast(Drafter, row.draft)  # drafter cycles only come with a drafter
+                drafts, log_q = drafter.propose([row.draft_row(choice.size, anchor, history)])[0]
                 if row.stats.timings is None:
                     # Start drafting now; the rollback and verify graphs are built while it
                     # runs (on Metal; on CPU async_eval returns once little work is queued).

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_server.generation.policy import SOURCES, Source
+from dflash_server.adaptive.policy import SOURCES, Source
 
 
 @dataclass

@@ -17,24 +17,26 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_server.generation.controller import BlockController
+from dflash_server.adaptive.controller import BlockController
+from dflash_server.adaptive.policy import SUFFIX, FixedBlock, WidthPolicy
+from dflash_server.drafters.protocol import Drafter
+from dflash_server.drafters.suffix import SuffixProposer
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit
 from dflash_server.generation.images import PromptImages
 from dflash_server.generation.kv_quant import QUANTIZED_KV_START, KVQuant
 from dflash_server.generation.pair import ModelPair
-from dflash_server.generation.policy import SUFFIX, FixedBlock, WidthPolicy
-from dflash_server.generation.protocols import Drafter, PrefixStore, TokenConstraint
+from dflash_server.generation.protocols import PrefixStore, TokenConstraint
 from dflash_server.generation.request import (
     BlockSize,
     GenerationRequest,
     Prebuilt,
     block_policy,
+    trained_block,
 )
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.stats import SpeculativeStats
-from dflash_server.generation.suffix import SuffixProposer
 from dflash_server.generation.target import TargetModel
 from dflash_server.generation.text import TextStream, encode, hidden_tokens
 from dflash_server.models.vision import ImageInput, VisionTower, expand_pads, open_image
@@ -94,7 +96,7 @@ class Generation:
         if block.copies:
             suffix = SuffixProposer(request.prompt, pair.suffix_index, block.suffix)
         if (draft is not None and block.auto) or suffix is not None:
-            costs = pair.costs(block.suffix + 1 if suffix is not None else 0).copy()
+            costs = pair.costs.get(block.suffix + 1 if suffix is not None else 0).copy()
             policy = BlockController(block.width if draft else 1, costs, prior=pair.prior)
         target = pair.target if draft is not None else TargetModel(pair.model, ())
         images = None
@@ -267,7 +269,7 @@ def stream_generate(
         sampling=sampling,
         seed=seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        block=replace(block_policy(draft, block_size), suffix=suffix),
+        block=replace(block_policy(trained_block(draft), block_size), suffix=suffix),
         logprobs=logprobs,
         constraint=None if constraint is None else Prebuilt(constraint),
         sampler=sampler,

@@ -1,1 +1,2 @@
-"""Drafter modules (DFlash, DFlash2, config variants, loading) and the target's hooks."""
+"""The target model as DFlash drives it: its parts and hooks, the Gated DeltaNet recurrence,
+multimodal positions, the vision tower, and loading checkpoints."""

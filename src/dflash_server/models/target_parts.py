@@ -69,3 +69,10 @@ def find_target_parts(model: nn.Module) -> TargetParts:
         vocab_size=rows,
         mrope_section=tuple(section) if section else None,
     )
+
+
+def float_bytes(module: Any) -> int:
+    """Bytes per element of what a (possibly quantized) layer computes in."""
+    weight = module.weight
+    dtype = weight.dtype if mx.issubdtype(weight.dtype, mx.floating) else module.scales.dtype
+    return int(dtype.size)

@@ -29,8 +29,8 @@ from dflash_server.testing.tokenizer import mask_token_id as mask_token_id
 from dflash_server.testing.tokenizer import tokenizer_size as tokenizer_size
 
 if TYPE_CHECKING:
-    from dflash_server.models.dflash2 import DFlash2DraftModel
-    from dflash_server.models.drafter import DFlashDraftModel
+    from dflash_server.drafters.dflash import DFlashDraftModel
+    from dflash_server.drafters.dflash2 import DFlash2DraftModel
 
 ARCHES = ("qwen3_5", "qwen3_5_moe", "qwen3", "llama")
 
@@ -187,8 +187,8 @@ def _save_mtp_head(path: Path, text: dict[str, Any], quantization: dict[str, Any
     import mlx.core as mx
     import mlx.nn as nn
 
+    from dflash_server.drafters.mtp import MTPConfig, MTPDrafter
     from dflash_server.models.loading import flat_arrays
-    from dflash_server.models.mtp import MTPConfig, MTPDrafter
 
     head = MTPDrafter(MTPConfig(text))
     head.set_dtype(mx.float32)
@@ -235,8 +235,8 @@ def _tiny_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[s
 def _published_drafter_fields(model: Any, block_size: int, num_layers: int) -> dict[str, Any]:
     """Config fields of the published drafters' shape (heads of 64, 4 q-heads per kv-head, MLP
     3x wide, taps spread over the target as the reference trainer picks them), for timing."""
+    from dflash_server.drafters.config import default_target_layer_ids
     from dflash_server.models.target_parts import find_target_parts
-    from dflash_server.models.variants import default_target_layer_ids
 
     parts = find_target_parts(model)
     n, H = parts.num_layers, parts.hidden_size
@@ -270,7 +270,8 @@ def random_drafter(
     ``mask_id`` defaults to the last embedding row."""
     import mlx.core as mx
 
-    from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
+    from dflash_server.drafters.config import DFlashConfig
+    from dflash_server.drafters.dflash import DFlashDraftModel
 
     if shape not in ("tiny", "published"):
         raise ValueError(f"random_drafter: shape must be 'tiny' or 'published', not {shape!r}")
@@ -312,7 +313,7 @@ def random_dflash2_drafter(
     """
     import mlx.core as mx
 
-    from dflash_server.models.dflash2 import DFlash2Config, DFlash2DraftModel
+    from dflash_server.drafters.dflash2 import DFlash2Config, DFlash2DraftModel
 
     mx.random.seed(seed)
     kind = "full_attention" if sliding_window is None else "sliding_attention"

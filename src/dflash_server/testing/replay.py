@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
-if TYPE_CHECKING:
-    from dflash_server.models.drafter import DFlashDraftModel
+from dflash_server.drafters.dflash import DFlashDraftModel
+from dflash_server.drafters.protocol import ContextLayer, Drafted, DraftRow
 
 
 class ReplayDrafter:
@@ -19,8 +19,9 @@ class ReplayDrafter:
     ``reference`` is prompt + the target's greedy output. In a row's cycle c the first
     ``accept_pattern[c % len]`` drafts are right and the next one is wrong, so every acceptance
     length (and full blocks) can be forced. ``inner``, a real drafter, runs alongside on the same
-    context: it gives the config (block size, taps, mask id) and a realistic draft cost. Rows
-    that share one double (the same reference) draft together as the real drafter's do.
+    context: it gives the config (block size, taps, mask id), its context and memory, and a
+    realistic draft cost (its pass for every row at once). Everything else is the contract's
+    (``drafters/protocol.py``), delegated to ``inner``.
     """
 
     def __init__(
@@ -31,6 +32,10 @@ class ReplayDrafter:
         self.family = inner.family
         # Cycles so far per row, keyed by the row's first context cache.
         self.cycles: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    @property
+    def window(self) -> int | None:
+        return self.inner.window
 
     def bind(self, target: Any) -> ReplayDrafter:
         self.inner.bind(target)
@@ -45,19 +50,21 @@ class ReplayDrafter:
     def append_context(self, target_hidden: Any, cache: list[Any], tokens: Any = None) -> None:
         self.inner.append_context(target_hidden, cache, tokens)
 
-    def propose(
-        self, block_ids: Any, target_hidden: Any, cache: list[Any], sampler: Any, history: Any
-    ):
-        """The drafter contract (see ``DFlashDraftModel.propose``) over the planted logits."""
-        real = self.inner(block_ids, target_hidden, cache, logits_start=1)
-        return sampler.propose(self.planted(block_ids, cache, real)[0], history)
+    def context_window(self) -> tuple[int, int] | None:
+        return self.inner.context_window()
 
-    def propose_rows(self, rows: Sequence[Any]) -> list[Any]:
-        """The optional batched contract: the real drafter's pass for all rows at once where
-        it can, then each row's planted logits."""
-        if len(rows) < 2 or not self.inner.drafts_together(rows):
-            return [row.propose() for row in rows]
-        reals = self.inner.block_logits_together(rows)
+    def skip_context(self, n: int, cache: list[Any]) -> None:
+        self.inner.skip_context(n, cache)
+
+    def context_layers(self, activation_bytes: int) -> tuple[ContextLayer, ...]:
+        return self.inner.context_layers(activation_bytes)
+
+    def parameters(self) -> Any:
+        return self.inner.parameters()
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[Drafted]:
+        """The real drafter's pass for all rows at once, then each row's planted logits."""
+        reals = self.inner.block_logits(rows)
         return [
             r.sampler.propose(self.planted(r.block, r.cache, real)[0], r.history)
             for r, real in zip(rows, reals)

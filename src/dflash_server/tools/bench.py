@@ -119,7 +119,7 @@ def parse_modes(text: str) -> list[str]:
 
 
 def decode_once(models: Any, prompt: list[int], mode: str, args: argparse.Namespace) -> Run:
-    from dflash_server.generation.request import GenerationRequest, block_policy
+    from dflash_server.generation.request import GenerationRequest, block_policy, trained_block
     from dflash_server.generation.sampling import SamplingParams
     from dflash_server.generation.stream import generate
 
@@ -129,7 +129,9 @@ def decode_once(models: Any, prompt: list[int], mode: str, args: argparse.Namesp
         args.max_tokens,
         SamplingParams(temperature=args.temperature),
         seed=0,
-        block=block_policy(draft, "auto" if mode == "auto" else _int(mode), clamp=True),
+        block=block_policy(
+            trained_block(draft), "auto" if mode == "auto" else _int(mode), clamp=True
+        ),
     )
     start = time.perf_counter()
     first, tokens, last = None, 0, None
@@ -148,11 +150,11 @@ def _int(mode: str) -> int | None:
 
 def profile_split(models: Any, prompt: list[int], mode: str, max_tokens: int) -> dict[str, float]:
     """Per-cycle milliseconds of each phase, from one profiled (phase-by-phase) run."""
-    from dflash_server.generation.request import GenerationRequest, block_policy
+    from dflash_server.generation.request import GenerationRequest, block_policy, trained_block
     from dflash_server.generation.stream import generate
 
     draft = None if mode == "plain" else models.pair.draft
-    block = block_policy(draft, "auto" if mode == "auto" else _int(mode), clamp=True)
+    block = block_policy(trained_block(draft), "auto" if mode == "auto" else _int(mode), clamp=True)
     request = GenerationRequest(tuple(prompt), max_tokens, block=block)
     responses = list(generate(models.pair, request, profile=True))
     stats = responses[-1].stats if responses else None

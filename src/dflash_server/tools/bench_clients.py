@@ -18,7 +18,12 @@ from typing import Any
 from dflash_server.engine.jobs import Failed, Finished, Job, TextChunk
 from dflash_server.engine.loader import LoadedModels
 from dflash_server.engine.worker import Engine
-from dflash_server.generation.request import BlockSize, GenerationRequest, block_policy
+from dflash_server.generation.request import (
+    BlockSize,
+    GenerationRequest,
+    block_policy,
+    trained_block,
+)
 from dflash_server.generation.sampling import SamplingParams
 
 
@@ -83,7 +88,7 @@ def _request(models: LoadedModels, ids: list[int], mode: str, args: Any) -> Gene
         args.max_tokens,
         SamplingParams(temperature=args.temperature),
         seed=0,
-        block=block_policy(draft, size, clamp=True),
+        block=block_policy(trained_block(draft), size, clamp=True),
         skip_special_tokens=True,
     )
 

@@ -13,13 +13,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
-from dflash_server.generation.policy import FixedBlock
-from dflash_server.generation.protocols import Drafter
+from dflash_server.adaptive.policy import FixedBlock
+from dflash_server.drafters.dflash import DFlashDraftModel
+from dflash_server.drafters.protocol import Drafter
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.drafter import DFlashDraftModel
 
 
 def weights_bytes(folder: Path) -> int:

@@ -20,14 +20,15 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.utils import compute_bits_per_weight, dequantize_model, quantize_model
 
+from dflash_server.drafters.dflash import DFlashDraftModel
+from dflash_server.drafters.registry import load_draft
 from dflash_server.engine.loader import (
     DRAFT_PATTERNS,
     TARGET_PATTERNS,
     ModelLoadError,
     resolve_model,
 )
-from dflash_server.models.drafter import DFlashDraftModel
-from dflash_server.models.loading import flat_arrays, load_draft
+from dflash_server.models.loading import flat_arrays
 from dflash_server.tools.common import (
     check_out,
     human_bytes,

@@ -23,10 +23,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from dflash_server.drafters.dflash import DFlashDraftModel
+from dflash_server.drafters.protocol import Drafter
 from dflash_server.engine.loader import TARGET_PATTERNS, ModelLoadError, resolve_model
-from dflash_server.generation.protocols import Drafter
 from dflash_server.generation.target import TargetModel
-from dflash_server.models.drafter import DFlashDraftModel
 from dflash_server.models.loading import flat_arrays, load_arrays
 from dflash_server.tools.common import check_out, decode, model_card, save_drafter
 from dflash_server.tools.train_data import (

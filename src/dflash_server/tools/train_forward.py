@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_server.models.drafter import DFlashAttention, DFlashDraftModel
+from dflash_server.drafters.dflash import DFlashAttention, DFlashDraftModel
 
 
 @dataclass
@@ -88,8 +88,8 @@ def _attention(
     q = attn.q_norm(attn.q_proj(xb).reshape(N * K, KB // K, attn.n_heads, -1))
     q = _heads_back(attn.rope(q.transpose(0, 2, 1, 3), offset=offsets), N, K)
     # Same helper inference uses: context at positions 0..T-1, each block at a_k .. a_k+B-1.
-    k_ctx, v_ctx = attn._keys_values(context, 0)
-    k_blk, v_blk = attn._keys_values(xb, offsets)
+    k_ctx, v_ctx = attn.keys_values(context, 0)
+    k_blk, v_blk = attn.keys_values(xb, offsets)
     keys = mx.concatenate([k_ctx, _heads_back(k_blk, N, K)], axis=2)
     values = mx.concatenate([v_ctx, _heads_back(v_blk, N, K)], axis=2)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
@@ -133,9 +133,7 @@ def block_labels(labels: mx.array, anchors: mx.array, block_size: int) -> mx.arr
 
 def draft_logits(draft: DFlashDraftModel, tokens: mx.array, taps: mx.array, anchors: mx.array):
     """Logits ``[N, K, B-1, V]`` of block rows 1..B-1 (row 0, the anchor, predicts nothing)."""
-    bound = draft._bound
-    if bound is None:
-        raise RuntimeError("bind the drafter to its target before training")
+    bound = draft.target_head()  # bind the drafter to its target before training
     B = draft.config.block_size
     ids = block_ids(tokens, anchors, B, draft.config.mask_token_id)
     h = draft_hidden(draft, bound.embed_tokens(ids), taps, anchors)

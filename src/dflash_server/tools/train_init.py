@@ -11,9 +11,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import dequantize_model
 
-from dflash_server.models.drafter import DFlashConfig, DFlashDraftModel
+from dflash_server.drafters.config import DFlashConfig, default_target_layer_ids
+from dflash_server.drafters.dflash import DFlashDraftModel
 from dflash_server.models.target_parts import find_target_parts
-from dflash_server.models.variants import default_target_layer_ids
 
 _MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 
@@ -104,8 +104,8 @@ def init_drafter(
     args: argparse.Namespace, model: nn.Module, tokenizer: Any
 ) -> tuple[DFlashDraftModel, dict[str, Any], str]:
     """(float32 drafter bound to ``model``, its config.json dict, the dtype to save in)."""
+    from dflash_server.drafters.registry import load_draft
     from dflash_server.engine.loader import DRAFT_PATTERNS, resolve_model
-    from dflash_server.models.loading import load_draft
 
     is_json = args.init != "new" and Path(args.init).suffix == ".json"
     if args.init == "new" or is_json:

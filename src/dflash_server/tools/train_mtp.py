@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from dflash_server.models.loading import flat_arrays, load_mtp
-from dflash_server.models.mtp import DEFAULT_BLOCK, MTPConfig, MTPDrafter
+from dflash_server.drafters.mtp import DEFAULT_BLOCK, MTPConfig, MTPDrafter, load_mtp
+from dflash_server.models.loading import flat_arrays
 from dflash_server.tools.train_forward import TrainBatch
 
 

@@ -16,10 +16,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from dflash_server.api.app import build_loader, prefix_cache_of
 from dflash_server.engine.distributed import Channel, RankLost, check_same, file_digests
 from dflash_server.engine.loader import ModelLoadError, make_batch
 from dflash_server.engine.lockstep import Follower
+from dflash_server.serve.engine import build_loader, prefix_cache_of
 from dflash_server.settings import Settings
 
 log = logging.getLogger("dflash_server")

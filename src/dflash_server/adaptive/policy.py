@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 if TYPE_CHECKING:
-    from dflash_server.generation.suffix import Proposal
+    from dflash_server.drafters.suffix import Proposal
 
 # Where a cycle's drafts come from: the drafter's block, tokens copied from the context
 # (suffix drafts), or none (a plain decoding step, one position).

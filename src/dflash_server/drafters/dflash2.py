@@ -18,20 +18,18 @@ plain ``[V, r]`` matrices named without ``.weight``, exactly as stored; the load
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_server.models.context import ContextCache
-from dflash_server.models.drafter import (
-    DFlashConfig,
-    DFlashDecoderLayer,
-    DFlashDraftModel,
-    DraftSampler,
-)
-from dflash_server.models.variants import dflash2_kwargs
+from dflash_server.drafters.config import DFlashConfig, dflash2_kwargs
+from dflash_server.drafters.dflash import Context, DFlashDecoderLayer, DFlashDraftModel
+from dflash_server.drafters.protocol import Drafted, DraftRow, DraftSampler, Family
+from dflash_server.models.loading import load_checkpoint
 
 # Kept in higher precision by ``quant_predicate``: the conv projections set multiplicative
 # per-position kernels, the selector's scores add to logits; together ~5 % of a layer's weights.
@@ -124,9 +122,9 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = GroupedDynamicConv(*args)
         self.mlp_conv = GroupedDynamicConv(*args)
 
-    def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
+    def __call__(self, x: mx.array, context: Context) -> mx.array:
         h, coef = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, cache), coef)
+        x = x + self.attention_conv.finish(self.self_attn(h, context), coef)
         h, coef = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(h), coef)
 
@@ -148,7 +146,7 @@ class CandidateSelector(nn.Module):
 
     def propose(
         self, hidden: mx.array, logits: mx.array, anchor: mx.array, sampler: DraftSampler
-    ) -> tuple[mx.array, mx.array | None]:
+    ) -> Drafted:
         """Drafts for rows 1..N (``hidden [N, H]``, processed ``logits [N, V]``) from ``anchor``.
 
         Greedy: the best-scoring candidate per row. Sampling: each row draws from
@@ -185,13 +183,13 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2DraftModel(DFlashDraftModel):
-    """A DFlash2 drafter; ``propose`` runs the layers and the selector in one lazy graph."""
+    """A DFlash2 drafter; ``propose`` runs the layers and the selector in one lazy graph, the
+    layers of every row in one pass (the convolutions never look past a row's own block)."""
 
     layer_class = DFlash2DecoderLayer
-    family = "DFlash2"
 
     def __init__(self, config: DFlash2Config):
-        super().__init__(config)
+        super().__init__(config, family="DFlash2")
         self.candidate_selector = CandidateSelector(config)
 
     def layer_is_causal(self, i: int) -> bool:
@@ -212,17 +210,57 @@ class DFlash2DraftModel(DFlashDraftModel):
             raise ValueError(f"DFlash2 codebooks have {rows} rows, fewer than selector_top_k")
         return self
 
-    def propose(
-        self,
-        block_ids: mx.array,
-        target_hidden: mx.array | None,
-        cache: list[ContextCache],
-        sampler: DraftSampler,
-        history: mx.array | None,
-    ) -> tuple[mx.array, mx.array | None]:
-        """The drafter contract (see ``DFlashDraftModel.propose``) through the selector."""
-        h = self.hidden_states(block_ids, target_hidden, cache)[0, 1:]
-        logits = self._bound_target().logits(h)
-        if history is not None and sampler.processors:
-            logits = sampler.process(logits, history)  # penalties, as the target's rows get them
-        return self.candidate_selector.propose(h, logits, block_ids[0, 0], sampler)
+    def propose(self, rows: Sequence[DraftRow]) -> list[Drafted]:
+        """The drafter contract (``DFlashDraftModel.propose``) through the selector."""
+        states = self.block_states(rows)
+        logits = self.target_head().logits(states[:, 1:])
+        out = []
+        for i, row in enumerate(rows):
+            n = row.width - 1
+            row_logits = logits[i, :n]
+            if row.history is not None and row.sampler.processors:
+                # Penalties, as the target's rows get them.
+                row_logits = row.sampler.process(row_logits, row.history)
+            anchor = row.block[0, 0]
+            out.append(self.candidate_selector.propose(states[i, 1 : n + 1], row_logits, anchor,
+                                                       row.sampler))  # fmt: skip
+        return out
+
+
+def _remap(raw: dict[str, Any]) -> Any:
+    def remap(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Codebooks are stored bare (``candidate_selector.predecessor_codebook``), as the model
+        names them; MLX exports built on an Embedding spell them ``.weight``, possibly packed."""
+        out = dict(weights)
+        for name in ("predecessor_codebook", "successor_codebook"):
+            key = f"candidate_selector.{name}"
+            if f"{key}.weight" not in out:
+                continue
+            if key in out:
+                raise ValueError(f"drafter weights hold both {key} and {key}.weight")
+            weight = out.pop(f"{key}.weight")
+            if f"{key}.scales" in out:  # kept in higher precision here: unpack once at load
+                scales, biases = out.pop(f"{key}.scales"), out.pop(f"{key}.biases", None)
+                if biases is None or scales.dtype == mx.uint8:
+                    raise ValueError(f"{key}: only affine-quantized codebooks can be loaded")
+                rank = int(raw["dflash_config"]["selector_rank"])
+                group, bits = rank // scales.shape[-1], weight.shape[-1] * 32 // rank
+                weight = mx.dequantize(weight, scales, biases, group, bits)
+            out[key] = weight
+        return out
+
+    return remap
+
+
+def _load(path: Path, raw: dict[str, Any], target: nn.Module | None) -> DFlash2DraftModel:
+    model = DFlash2DraftModel(DFlash2Config.from_dict(raw))
+    load_checkpoint(model, path, raw, _remap(raw), source=f"{path} (DFlash2 layout)")
+    return model if target is None else model.bind(target)
+
+
+FAMILY = Family(
+    "DFlash2",
+    lambda raw: (raw.get("architectures") or [None])[0] == "DFlash2DraftModel",
+    _load,
+    "DFlash2DraftModel",
+)

@@ -36,6 +36,33 @@ _KIND = 0.75  # share of a width's step that the other widths of its kind take (
 _EARLY, _EARLY_CLIP = 3, math.log(50.0)
 
 
+def interp(points: dict[int, float], x: int) -> float:
+    """The curve through ``points`` at ``x``: linear between the measured points, extended
+    from the nearest two outside them."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        lo, hi = xs[0], xs[min(1, len(xs) - 1)]
+    elif x >= xs[-1]:
+        lo, hi = xs[max(0, len(xs) - 2)], xs[-1]
+    else:
+        hi = next(v for v in xs if v >= x)
+        lo = max(v for v in xs if v <= x)
+    if hi == lo:
+        return points[lo]
+    slope = (points[hi] - points[lo]) / (hi - lo)
+    return points[lo] + slope * (x - lo)
+
+
+def rising(points: dict[int, float]) -> dict[int, float]:
+    """The points made non-decreasing in x (noise, not physics, makes a wider pass look
+    cheaper)."""
+    out, top = {}, 0.0
+    for x in sorted(points):
+        top = max(top, points[x])
+        out[x] = top
+    return out
+
+
 def context_past(context: int, measured: int, reach: int | None = None) -> int:
     """Tokens of ``context`` past the ``measured`` one that a pass reads: a windowed drafter
     reads at most ``reach`` (None: all), so its cost stops growing there."""
@@ -64,34 +91,19 @@ class CostModel:
     checked: int = 0  # real drafted cycles observed (0: the curve is the calibration alone)
     timed: dict[int, int] = field(default_factory=dict)  # drafted width -> real cycles timed
 
-    @staticmethod
-    def _interp(points: dict[int, float], x: int) -> float:
-        xs = sorted(points)
-        if x <= xs[0]:
-            lo, hi = xs[0], xs[min(1, len(xs) - 1)]
-        elif x >= xs[-1]:
-            lo, hi = xs[max(0, len(xs) - 2)], xs[-1]
-        else:
-            hi = next(v for v in xs if v >= x)
-            lo = max(v for v in xs if v <= x)
-        if hi == lo:
-            return points[lo]
-        slope = (points[hi] - points[lo]) / (hi - lo)
-        return points[lo] + slope * (x - lo)
-
     def base(self, size: int, drafted: bool = True, context: int = 0) -> float:
         """The component estimate of one cycle of ``size`` positions (draft + verify; without
         ``drafted``, a verify-only cycle) at ``context`` tokens (0: as measured)."""
         grow = 0.0
         if self.slope and context > self.context:  # attention over the longer context
-            grow = self._interp(self.slope, max(1, size)) * (context - self.context)
+            grow = interp(self.slope, max(1, size)) * (context - self.context)
         if size <= 1:
             return self.plain + grow
         draft = 0.0
         if drafted:
-            draft = self._interp(self.draft, size)
+            draft = interp(self.draft, size)
             draft += self.draft_slope * context_past(context, self.context, self.draft_reach)
-        return max(draft + self._interp(self.verify, size) + grow, 1e-6)
+        return max(draft + interp(self.verify, size) + grow, 1e-6)
 
     def _residual(self, size: int, drafted: bool = True) -> float:
         size = max(1, size)
@@ -102,11 +114,11 @@ class CostModel:
                 return self.residual.get(1, 0.0)
             if size in self.verify_residual:
                 return self.verify_residual[size]
-            return self._interp(self.verify_residual, size)
+            return interp(self.verify_residual, size)
         same_kind = {w: r for w, r in self.residual.items() if (w > 1) == (size > 1)}
         if size in same_kind or not same_kind:
             return same_kind.get(size, 0.0)
-        return self._interp(same_kind, size)
+        return interp(same_kind, size)
 
     def cycle(self, size: int, drafted: bool = True, context: int = 0) -> float:
         """The current estimate: the component estimate times calibration and refinement."""

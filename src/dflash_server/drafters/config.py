@@ -1,4 +1,4 @@
-"""``config.json`` parsing for every drafter family the loader knows.
+"""``DFlashConfig``, and ``config.json`` parsing for every drafter family the loader knows.
 
 Each parser returns the keyword arguments of its config dataclass and raises a ValueError naming
 the first missing key. Layouts seen in the wild:
@@ -13,6 +13,7 @@ the first missing key. Layouts seen in the wild:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 _REQUIRED_KEYS = (
@@ -168,3 +169,75 @@ def check_pair(config: Any, hidden_size: int, vocab_size: int, num_layers: int) 
             + "; ".join(problems)
             + ". Pick the drafter trained for this target (e.g. a 9B drafter for a 9B target)."
         )
+
+
+@dataclass
+class DFlashConfig:
+    """Drafter hyper-parameters; field names follow the reference ``dflash.model_mlx``."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int | None  # None (some assistant exports): the target's, checked at bind
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    mask_token_id: int = 0
+    rope_scaling: dict[str, Any] | None = None
+    layer_types: tuple[str, ...] = field(default_factory=tuple)
+    sliding_window: int | None = None
+    sliding_window_size: int | None = None  # a context window for every layer (reference key)
+    # None: the family's rule (DFlash: bidirectional block; DFlash2: causal on sliding layers).
+    is_causal: bool | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if not self.layer_types:
+            self.layer_types = ("full_attention",) * self.num_hidden_layers
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"drafter config: layer_types has {len(self.layer_types)} entries but "
+                f"num_hidden_layers is {self.num_hidden_layers}; they must match"
+            )
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"drafter config: unsupported layer_types {sorted(unknown)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("drafter config: sliding_attention layers need 'sliding_window'")
+        if self.block_size < 2:
+            raise ValueError(f"drafter config: block_size must be >= 2, got {self.block_size}")
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise ValueError(
+                f"drafter config: sliding_window must be >= 2, not {self.sliding_window}"
+            )
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> DFlashConfig:
+        """Parse a drafter ``config.json`` (flat keys plus nested ``dflash_config``)."""
+        return cls(**dflash_kwargs(cfg))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The HF-style ``config.json`` this config was (or could have been) read from."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        dflash = {"target_layer_ids": list(out.pop("target_layer_ids"))}
+        dflash["mask_token_id"] = out.pop("mask_token_id")
+        out["layer_types"] = list(out["layer_types"])
+        for name, default in OPTIONAL_DEFAULTS.items():  # published v1 configs omit these
+            if out.get(name) == default:
+                out.pop(name)
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            **out,
+            "dflash_config": dflash,
+        }

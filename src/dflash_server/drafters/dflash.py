@@ -12,113 +12,28 @@ these modules (``dflash2.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from dflash_server.models.context import ContextCache
-from dflash_server.models.draft_rows import DraftRow, block_logits_together
-from dflash_server.models.fused import Norm, rope_at
-from dflash_server.models.target_parts import find_target_parts
-from dflash_server.models.variants import (
-    OPTIONAL_DEFAULTS,
+from dflash_server.drafters.config import (
+    DFlashConfig,
+    assistant_kwargs,
     check_pair,
-    dflash_kwargs,
     target_logit_scale,
 )
-from dflash_server.models.window import SinkContextCache, apply_draft_window
+from dflash_server.drafters.context import ContextCache, RowContexts
+from dflash_server.drafters.protocol import ContextLayer, Drafted, DraftRow, Family
+from dflash_server.drafters.window import SINKS, SinkWindow
+from dflash_server.models.fused import Norm, rope_at
+from dflash_server.models.loading import load_checkpoint
+from dflash_server.models.target_parts import find_target_parts, float_bytes
 
-
-class DraftSampler(Protocol):
-    """What a drafter asks of the decoder's sampler (``generation.sampling.TokenSampler``)."""
-
-    processors: list[Any]  # logits processors (penalties); empty when there are none
-
-    @property
-    def deterministic(self) -> bool:  # greedy or a black-box sampler: drafts carry no q
-        ...
-
-    def next_key(self) -> mx.array: ...
-    def process(self, logits: mx.array, history: mx.array) -> mx.array: ...
-    def logprobs(self, logits: mx.array) -> mx.array: ...
-    def propose(
-        self, draft_logits: mx.array, history: mx.array | None
-    ) -> tuple[mx.array, mx.array | None]: ...
-
-
-@dataclass
-class DFlashConfig:
-    """Drafter hyper-parameters; field names follow the reference ``dflash.model_mlx``."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int | None  # None (some assistant exports): the target's, checked at bind
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int | None = None
-    mask_token_id: int = 0
-    rope_scaling: dict[str, Any] | None = None
-    layer_types: tuple[str, ...] = field(default_factory=tuple)
-    sliding_window: int | None = None
-    sliding_window_size: int | None = None  # a context window for every layer (reference key)
-    # None: the family's rule (DFlash: bidirectional block; DFlash2: causal on sliding layers).
-    is_causal: bool | None = None
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
-    input_embedding_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        if not self.layer_types:
-            self.layer_types = ("full_attention",) * self.num_hidden_layers
-        self.layer_types = tuple(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"drafter config: layer_types has {len(self.layer_types)} entries but "
-                f"num_hidden_layers is {self.num_hidden_layers}; they must match"
-            )
-        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ValueError(f"drafter config: unsupported layer_types {sorted(unknown)}")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ValueError("drafter config: sliding_attention layers need 'sliding_window'")
-        if self.block_size < 2:
-            raise ValueError(f"drafter config: block_size must be >= 2, got {self.block_size}")
-        if self.sliding_window is not None and self.sliding_window < 2:
-            raise ValueError(
-                f"drafter config: sliding_window must be >= 2, not {self.sliding_window}"
-            )
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> DFlashConfig:
-        """Parse a drafter ``config.json`` (flat keys plus nested ``dflash_config``)."""
-        return cls(**dflash_kwargs(cfg))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The HF-style ``config.json`` this config was (or could have been) read from."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        dflash = {"target_layer_ids": list(out.pop("target_layer_ids"))}
-        dflash["mask_token_id"] = out.pop("mask_token_id")
-        out["layer_types"] = list(out["layer_types"])
-        for name, default in OPTIONAL_DEFAULTS.items():  # published v1 configs omit these
-            if out.get(name) == default:
-                out.pop(name)
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            **out,
-            "dflash_config": dflash,
-        }
+# A layer's context: one row's cache, or several rows' read together for one pass.
+Context = ContextCache | RowContexts
 
 
 class MLP(nn.Module):
@@ -157,16 +72,16 @@ class DFlashAttention(nn.Module):
             hd, config.rope_theta, False, config.rope_scaling, config.max_position_embeddings
         )
 
-    context_window: tuple[int, int] | None = None  # (window, sinks): see models/window.py
+    def make_cache(self, window: SinkWindow | None) -> ContextCache:
+        """A sliding layer keeps its trained window; a full one the server's, if any."""
+        if self.window is not None:
+            return ContextCache(self.window - 1)
+        return ContextCache() if window is None else window.cache()
 
-    def make_cache(self) -> ContextCache:
-        if self.window is None and self.context_window is not None:
-            return SinkContextCache(*self.context_window)
-        return ContextCache(None if self.window is None else self.window - 1)
-
-    def _keys_values(
+    def keys_values(
         self, x: mx.array, offset: int | mx.array, compiled: bool = False
     ) -> tuple[mx.array, mx.array]:
+        """RoPE'd keys and values of positions ``offset ..`` (also what training projects)."""
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -175,7 +90,7 @@ class DFlashAttention(nn.Module):
 
     def append_context(self, context: mx.array, cache: ContextCache) -> None:
         """Project committed positions once; only context K/V is ever cached."""
-        cache.append(*self._keys_values(context, cache.offset))
+        cache.append(*self.keys_values(context, cache.offset))
 
     def _mask(self, L: int, S: int) -> mx.array | None:
         """[L, S + L] visibility, key index minus S = position relative to block start."""
@@ -189,17 +104,17 @@ class DFlashAttention(nn.Module):
             visible = (q - k < self.window) & (k - q < self.window)
         return visible & (k <= q) if self.causal else visible
 
-    def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
+    def __call__(self, x: mx.array, context: Context) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = rope_at(self.rope, q, cache.offset)
-        keys, values = self._keys_values(x, cache.offset, compiled=True)
-        context = cache.fetch()
-        S = 0 if context is None else context[0].shape[2]
-        if context is not None:
-            keys = mx.concatenate([context[0], keys], axis=2)
-            values = mx.concatenate([context[1], values], axis=2)
-        mask = self._mask(L, S)
+        q = rope_at(self.rope, q, context.offset)
+        keys, values = self.keys_values(x, context.offset, compiled=True)
+        held = context.fetch()
+        S = 0 if held is None else held[0].shape[2]
+        if held is not None:
+            keys = mx.concatenate([held[0], keys], axis=2)
+            values = mx.concatenate([held[1], values], axis=2)
+        mask = context.visible(self._mask(L, S), L)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -212,12 +127,12 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Norm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Norm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, context: Context) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), context)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class _BoundTarget:
+class TargetHead:
     """The target's embedding and head; a plain object so they never join the drafter's weights.
 
     Logits are ``head(h) * multiplier``, then ``cap * tanh(x / cap)`` when a softcap is set.
@@ -235,12 +150,14 @@ class _BoundTarget:
 
 
 class DFlashDraftModel(nn.Module):
-    layer_class: type[DFlashDecoderLayer] = DFlashDecoderLayer
-    family = "DFlash"  # the checkpoint layout it came from; load_draft sets it (e.g. "assistant")
+    """A DFlash drafter (``family``: the checkpoint layout it came from, e.g. "assistant")."""
 
-    def __init__(self, config: DFlashConfig):
+    layer_class: type[DFlashDecoderLayer] = DFlashDecoderLayer
+
+    def __init__(self, config: DFlashConfig, family: str = "DFlash"):
         super().__init__()
         self.config = config
+        self.family = family
         H = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = Norm(H, eps=config.rms_norm_eps)
@@ -249,7 +166,10 @@ class DFlashDraftModel(nn.Module):
             for i in range(config.num_hidden_layers)
         ]
         self.norm = Norm(H, eps=config.rms_norm_eps)
-        self._bound: _BoundTarget | None = None
+        self.head: TargetHead | None = None  # the target's embedding and head (``bind``)
+        # The bound on the full-attention layers' context: the config's (the reference's
+        # ``sliding_window_size``) until ``set_window`` gives the server's.
+        self.sink_window = SinkWindow.of(config.sliding_window_size)
 
     def layer_is_causal(self, i: int) -> bool:
         """DFlash's block is bidirectional unless the config says ``is_causal: true``."""
@@ -270,21 +190,26 @@ class DFlashDraftModel(nn.Module):
         scale = (self.config.output_multiplier, self.config.final_logit_softcapping)
         if scale == (1.0, None):
             scale = target_logit_scale(target) or scale
-        self._bound = _BoundTarget(parts.embed_tokens, parts.lm_head, *scale)
+        self.head = TargetHead(parts.embed_tokens, parts.lm_head, *scale)
         return self
 
-    def set_window(self, window: int | None) -> int | None:
-        """Bound the full-attention layers' context (docs/design.md, "Drafter window")."""
-        return apply_draft_window(self, window)
+    # -- the context ------------------------------------------------------------------------
+
+    @property
+    def window(self) -> int | None:
+        return None if self.sink_window is None else self.sink_window.size
+
+    def set_window(self, window: int | None, sinks: int = SINKS) -> int | None:
+        """Bound the full-attention layers' context (docs/design.md, "Drafter window"): the
+        first ``sinks`` positions and the newest; sliding layers keep their trained window."""
+        self.sink_window = SinkWindow(window, sinks) if window else None
+        return self.window
 
     def make_cache(self) -> list[ContextCache]:
-        return [layer.self_attn.make_cache() for layer in self.layers]
+        return [layer.self_attn.make_cache(self.sink_window) for layer in self.layers]
 
     def append_context(
-        self,
-        target_hidden: mx.array,
-        cache: list[ContextCache],
-        tokens: mx.array | None = None,
+        self, target_hidden: mx.array, cache: list[ContextCache], tokens: mx.array | None = None
     ) -> None:
         """Add committed positions' tapped features (``[B, S, L*H]``) to the context cache
         (DFlash reads the features only, not the ``tokens`` fed there)."""
@@ -303,15 +228,15 @@ class DFlashDraftModel(nn.Module):
 
     def context_window(self) -> tuple[int, int] | None:
         """(newest, sinks) positions its layers read: a sliding layer its trained window, a
-        full one the server's sink window (``models/window.py``); None if any reads them all."""
+        full one the server's sink window; None if any reads them all."""
         newest, sinks = 0, 0
         for layer in self.layers:
-            attn = layer.self_attn
-            if attn.window is not None:
-                newest = max(newest, attn.window - 1)
-            elif attn.context_window is not None:
-                window, layer_sinks = attn.context_window
-                newest, sinks = max(newest, window - layer_sinks), max(sinks, layer_sinks)
+            window = layer.self_attn.window
+            if window is not None:
+                newest = max(newest, window - 1)
+            elif self.sink_window is not None:
+                size, own_sinks = self.sink_window.size, self.sink_window.sinks
+                newest, sinks = max(newest, size - own_sinks), max(sinks, own_sinks)
             else:
                 return None
         return newest, sinks
@@ -321,24 +246,46 @@ class DFlashDraftModel(nn.Module):
         for c in cache:
             c.skip(n)
 
-    def _bound_target(self) -> _BoundTarget:
-        if self._bound is None:
+    def context_layers(self, activation_bytes: int) -> tuple[ContextLayer, ...]:
+        """Each layer's context K/V per position, and the positions its cache keeps."""
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            width = attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
+            per_token = width * max(activation_bytes, float_bytes(attn.k_proj))
+            if attn.window is not None:  # a sliding layer keeps window - 1 positions
+                out.append(ContextLayer(per_token, attn.window - 1))
+            elif self.sink_window is not None:  # sinks + the newest window - sinks
+                size, sinks = self.sink_window.size, self.sink_window.sinks
+                out.append(ContextLayer(per_token, size - sinks, sinks))
+            else:
+                out.append(ContextLayer(per_token, None))
+        return tuple(out)
+
+    # -- drafting -----------------------------------------------------------------------------
+
+    def target_head(self) -> TargetHead:
+        """The target's embedding and head (``bind`` sets them)."""
+        if self.head is None:
             raise RuntimeError(f"{type(self).__name__}.bind(target) must be called before drafting")
-        return self._bound
+        return self.head
+
+    def _forward(self, block_ids: mx.array, contexts: Sequence[Context]) -> mx.array:
+        """Final-normed block states over each layer's context."""
+        h = self.target_head().embed_tokens(block_ids)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
+        for layer, context in zip(self.layers, contexts):
+            h = layer(h, context)
+        return self.norm(h)
 
     def hidden_states(
         self, block_ids: mx.array, target_hidden: mx.array | None, cache: list[ContextCache]
     ) -> mx.array:
         """Final-normed block states ``[1, B, H]``; new context taps are appended first."""
-        bound = self._bound_target()
         if target_hidden is not None and target_hidden.shape[1] > 0:
             self.append_context(target_hidden, cache)
-        h = bound.embed_tokens(block_ids)
-        if self.config.input_embedding_scale != 1.0:
-            h = h * self.config.input_embedding_scale
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm(h)
+        return self._forward(block_ids, cache)
 
     def __call__(
         self,
@@ -352,47 +299,74 @@ class DFlashDraftModel(nn.Module):
         Row j >= 1 predicts the token at block position j (row 0 is the committed anchor).
         """
         h = self.hidden_states(block_ids, target_hidden, cache)
-        return self._bound_target().logits(h[:, logits_start:])
+        return self.target_head().logits(h[:, logits_start:])
 
-    def propose(
-        self,
-        block_ids: mx.array,
-        target_hidden: mx.array | None,
-        cache: list[ContextCache],
-        sampler: DraftSampler,
-        history: mx.array | None,
-    ) -> tuple[mx.array, mx.array | None]:
-        """Drafts for block positions 1..B-1 and the log-probs ``log q`` they were drawn from
-        (None when greedy): the contract the decoder relies on, whatever the drafter family."""
-        logits = self(block_ids, target_hidden, cache, logits_start=1)[0]
-        return sampler.propose(logits, history)
+    def block_states(self, rows: Sequence[DraftRow]) -> mx.array:
+        """Final-normed states ``[rows, widest, H]`` of every row's block, in one pass: each row's
+        context left-padded and its block right-padded, the padding hidden from it, so a row's
+        states are the ones it has alone (``RowContexts``)."""
+        if len(rows) == 1:
+            return self._forward(rows[0].block, rows[0].cache)
+        widths = [row.width for row in rows]
+        width, mask_id = max(widths), self.config.mask_token_id
+        blocks = mx.stack([
+            mx.concatenate([r.block[0], mx.full((width - r.width,), mask_id, r.block.dtype)])
+            for r in rows
+        ])  # fmt: skip
+        contexts = [
+            RowContexts([row.cache[i] for row in rows], widths) for i in range(len(self.layers))
+        ]
+        return self._forward(blocks, contexts)
 
-    def propose_rows(self, rows: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array | None]]:
-        """``propose`` for several rows of this drafter, in one pass where the layers allow
-        it (``models/draft_rows.py``), else row by row."""
-        if len(rows) < 2 or not self.drafts_together(rows):
-            return [row.propose() for row in rows]
-        logits = self.block_logits_together(rows)
+    def block_logits(self, rows: Sequence[DraftRow]) -> list[mx.array]:
+        """Each row's logits for its block positions 1.. ([1, width - 1, V]), one pass."""
+        logits = self.target_head().logits(self.block_states(rows)[:, 1:])
+        return [logits[i : i + 1, : row.width - 1] for i, row in enumerate(rows)]
+
+    def propose(self, rows: Sequence[DraftRow]) -> list[Drafted]:
+        """Every row's drafts and the ``log q`` they were drawn from (None when greedy)."""
+        logits = self.block_logits(rows)
         return [row.sampler.propose(x[0], row.history) for row, x in zip(rows, logits)]
 
-    def drafts_together(self, rows: Sequence[DraftRow]) -> bool:
-        """Whether these rows' blocks can share one pass: full-attention bidirectional layers
-        over the whole context or the server's sink window (which drops old entries itself)."""
-        if type(self) is not DFlashDraftModel or self.config.input_embedding_scale != 1.0:
-            return False
-        layers = all(
-            type(layer) is DFlashDecoderLayer
-            and layer.self_attn.window is None
-            and not layer.self_attn.causal
-            for layer in self.layers
-        )
-        caches = all(
-            type(c) is SinkContextCache or (type(c) is ContextCache and c.max_size is None)
-            for row in rows
-            for c in row.cache
-        )
-        return layers and caches
 
-    def block_logits_together(self, rows: Sequence[DraftRow]) -> list[mx.array]:
-        """Each row's block logits ([1, width - 1, V]) from one pass (``drafts_together``)."""
-        return block_logits_together(self, self._bound_target(), rows)
+# -- loading --------------------------------------------------------------------------------
+
+
+def remap_assistant(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """``encoder.fc.*`` -> ``fc.*``, ``encoder.output_norm_enc.*`` -> ``hidden_norm.*``."""
+    prefixes = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+    out = {}
+    for k, v in weights.items():
+        for old, new in prefixes.items():
+            if k.startswith(old):
+                k = new + k[len(old) :]
+                break
+        out[k] = v
+    return out
+
+
+def _load(path: Path, raw: dict[str, Any], target: nn.Module | None) -> DFlashDraftModel:
+    model = DFlashDraftModel(DFlashConfig.from_dict(raw))
+    load_checkpoint(model, path, raw, source=f"{path} (DFlash layout)")
+    return model if target is None else model.bind(target)
+
+
+def load_assistant(path: Path, raw: dict[str, Any], target: nn.Module | None) -> DFlashDraftModel:
+    model = DFlashDraftModel(DFlashConfig(**assistant_kwargs(raw)), family="assistant")
+    load_checkpoint(model, path, raw, remap_assistant, source=f"{path} (assistant layout)")
+    return model if target is None else model.bind(target)
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    return str((raw.get("architectures") or [""])[0])
+
+
+FAMILY = Family(
+    "DFlash", lambda raw: _architecture(raw) == "DFlashDraftModel", _load, "DFlashDraftModel"
+)
+ASSISTANT = Family(
+    "assistant",
+    lambda raw: _architecture(raw).endswith("AssistantModel"),
+    load_assistant,
+    "*AssistantModel (DFlash weights under encoder.* names)",
+)

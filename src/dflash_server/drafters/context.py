@@ -1,35 +1,12 @@
-"""A drafter layer's context K/V cache: committed positions only, never block K/V.
+"""A drafter layer's context K/V: committed positions only, never block K/V; one row's
+(``ContextCache``), or several rows' read together for one batched pass (``RowContexts``).
 
 See docs/design.md, "The drafter's forward pass".
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import mlx.core as mx
-
-
-class DraftContext(Protocol):
-    """One drafter layer's context cache: committed positions only, so it never rolls back.
-    Prefix snapshots save and restore it (``generation/prefix.py``)."""
-
-    @property
-    def offset(self) -> int:  # positions seen: the absolute position of the next one
-        ...
-
-    @property
-    def max_size(self) -> int | None:  # a window: its state is valid only where it was taken
-        ...
-
-    @property
-    def state(self) -> list[mx.array]: ...
-
-    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
-        """The live keys and values, and the offset they end at (None: empty)."""
-        ...
-
-    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None: ...
 
 
 class ContextCache:
@@ -101,6 +78,10 @@ class ContextCache:
             return None
         return mx.contiguous(live[0]), mx.contiguous(live[1]), self.offset
 
+    def visible(self, mask: mx.array | None, width: int) -> mx.array | None:
+        """A lone row owns every column: ``mask`` as it is."""
+        return mask
+
     def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
         if snapshot is None:
             self.keys = self.values = None
@@ -108,3 +89,43 @@ class ContextCache:
             return
         self.keys, self.values, self.offset = snapshot
         self.start = self.offset - self.keys.shape[2]  # no spare rows: the next append regrows
+
+
+class RowContexts:
+    """One layer's context for several rows drafting in one pass: each row's live K/V
+    left-padded to the longest (so every row's newest entry sits just before its block), each
+    block right-padded to the widest, and the columns a row does not own hidden by ``visible``.
+    A row's block then sees exactly what it sees alone, at its own positions (``offset``)."""
+
+    def __init__(self, caches: list[ContextCache], widths: list[int]):
+        self.caches = caches
+        self.offset = mx.array([c.offset for c in caches])
+        live = [c.fetch() for c in caches]
+        if any(kv is None for kv in live):
+            raise RuntimeError("a drafting row has no context (its prefill fed none)")
+        self.lengths = [kv[0].shape[2] for kv in live if kv is not None]
+        longest = max(self.lengths)
+        self.keys = mx.concatenate([_left_pad(kv[0], longest) for kv in live if kv is not None])
+        self.values = mx.concatenate([_left_pad(kv[1], longest) for kv in live if kv is not None])
+        width = max(widths)
+        held = mx.arange(longest)[None] >= mx.array([longest - n for n in self.lengths])[:, None]
+        own = mx.arange(width)[None] < mx.array(widths)[:, None]
+        self._columns = mx.concatenate([held, own], axis=1)[:, None, None, :]  # [R, 1, 1, S+L]
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    def visible(self, mask: mx.array | None, width: int) -> mx.array:
+        """``mask`` ([L, S + L] or None: all) narrowed to each row's own columns."""
+        columns = self._columns
+        if mask is not None:
+            return columns & mask
+        rows, _, _, total = columns.shape
+        return mx.broadcast_to(columns, (rows, 1, width, total))
+
+
+def _left_pad(x: mx.array, length: int) -> mx.array:
+    n = x.shape[2]
+    if n == length:
+        return x
+    return mx.concatenate([mx.zeros((*x.shape[:2], length - n, x.shape[3]), x.dtype), x], axis=2)

@@ -16,7 +16,7 @@ wider one, so it recovers when the text turns predictable. Any sequence of width
 each cycle is exact on its own, and the width is chosen from past cycles only (never from the
 drafts it is about to verify).
 
-Suffix drafts (``generation/suffix.py``) are a third choice: a proposal copied from the context,
+Suffix drafts (``drafters/suffix.py``) are a third choice: a proposal copied from the context,
 verified without a drafter pass, possibly wider than the drafter's block. ``choose`` takes it
 when its expected tokens per second, from the proposal's confidences (scaled by how well they
 predicted recent suffix cycles) over the verify-only cost, beat the drafter's (or plain) choice.
@@ -27,13 +27,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from dflash_server.generation.costs import CostModel
-from dflash_server.generation.policy import DRAFTER, SUFFIX, Choice, Source
+from dflash_server.adaptive.costs import CostModel
+from dflash_server.adaptive.policy import DRAFTER, SUFFIX, Choice, Source
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from dflash_server.generation.suffix import Proposal
+    from dflash_server.drafters.suffix import Proposal
 
 
 _OFF = 1.5  # a cycle this many times cheaper than estimated says the costs are off

@@ -1,7 +1,7 @@
 """What of a long prompt a drafter reads: a windowed drafter's context needs no other position.
 
-A drafter whose every layer is windowed (``WindowedDrafter``: the server's sink window on full
-layers, trained windows on sliding ones) reads its first ``sinks`` positions and the newest
+A drafter whose every layer is windowed (``context_window()`` not None: the server's sink window
+on full layers, trained windows on sliding ones) reads its first ``sinks`` positions and the newest
 ``newest``. Prefilling a 32k-token prompt, it only ever reads the window before the prompt's
 end, and the window before each checkpoint (a prefix-cache snapshot keeps it there); the
 positions in between are skipped, never projected (docs/design.md, "Drafter window").
@@ -9,11 +9,11 @@ positions in between are skipped, never projected (docs/design.md, "Drafter wind
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
-from dflash_server.generation.protocols import Drafter, WindowedDrafter
+from dflash_server.drafters.protocol import Drafter
 
 
 def prompt_reads(
@@ -21,7 +21,7 @@ def prompt_reads(
 ) -> list[tuple[int, int]] | None:
     """The positions of a ``length``-token prompt ``draft`` will read, as sorted disjoint
     ranges (its sinks, and its window before the end and before each checkpoint); None: all."""
-    window = draft.context_window() if isinstance(draft, WindowedDrafter) else None
+    window = draft.context_window()
     if window is None:
         return None
     newest, sinks = window
@@ -57,8 +57,8 @@ def feed_prompt(
         if lo >= hi:
             continue
         if lo > at:
-            cast(WindowedDrafter, draft).skip_context(lo - at, cache)
+            draft.skip_context(lo - at, cache)
         draft.append_context(taps[:, lo - begin : hi - begin], cache, tokens[lo:hi])
         at = hi
     if at < end:
-        cast(WindowedDrafter, draft).skip_context(end - at, cache)
+        draft.skip_context(end - at, cache)

@@ -4,9 +4,9 @@ A row's controller picks the width best for it alone (``controller.py``); in a b
 pays for the widest row (all are padded to it) and a pass of many rows turns compute-bound, so
 ``choose_widths`` caps the adaptive rows' widths at the cap that gives the batch the most
 expected committed tokens per second (at high concurrency that may be 1: plain batched
-decoding). ``PassCosts`` is measured at load (``measure_pass_costs``): plain passes of 1..16
-rows, speculative passes (one batched drafter pass plus a recorded verify) of 1..8 rows x 16,
-so the engine can also say how many rows are worth running at once (``rows_supported``). Each
+decoding). ``PassCosts`` is measured at load (``generation/calibrate_passes.py``): plain
+passes of 1..16 rows, speculative passes (one batched drafter pass plus a recorded verify) of
+1..8 rows x 16, so the engine can also say how many rows are worth running at once (``rows_supported``). Each
 row's context adds attention work (the pair's per-token growth, ``CostModel.slope``), and every
 pass the engine runs refines the curves (``observe``: a log residual per point, as the cycle
 costs do), so a calibration taken at a busy moment is corrected by real traffic.
@@ -15,20 +15,12 @@ costs do), so a calibration taken at a busy moment is corrected by real traffic.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-import mlx.core as mx
-from mlx_lm.generate import generation_stream
-
-from dflash_server.generation.costs import CostModel, context_past
-from dflash_server.generation.policy import Choice
-
-if TYPE_CHECKING:
-    from dflash_server.generation.row import Row
+from dflash_server.adaptive.costs import context_past, interp
+from dflash_server.adaptive.policy import Choice, WidthPolicy
 
 _PASS_ALPHA = 0.5  # weight of one observed pass (half shared by its kind, half its point's)
 _PASS_CLIP = math.log(3.0)  # one pass moves a residual by at most this (log) factor
@@ -62,11 +54,11 @@ class PassCosts:
         grow = 0.0
         if self.slope:
             extra = sum(context_past(c, self.context) for c in contexts)
-            grow = CostModel._interp(self.slope, width) * extra
+            grow = interp(self.slope, width) * extra
         if width > 1 and self.draft_slope:
             reads = sum(context_past(c, self.context, self.draft_reach) for c in contexts)
             grow += self.draft_slope * reads
-        return max(CostModel._interp(points, x) + grow, 1e-6)
+        return max(interp(points, x) + grow, 1e-6)
 
     def cost(self, rows: int, width: int, contexts: Sequence[int] = ()) -> float:
         """The estimate: the measured curve refined by the passes seen since."""
@@ -89,7 +81,7 @@ class PassCosts:
                 self.spec_drift += max(-_EARLY_CLIP, error)
                 return error
         step = _PASS_ALPHA / 2 * max(-_PASS_CLIP, min(_PASS_CLIP, error))
-        residuals[x] = (CostModel._interp(residuals, x) if residuals else 0.0) + step
+        residuals[x] = (interp(residuals, x) if residuals else 0.0) + step
         if width <= 1:
             self.plain_drift += step
         else:
@@ -99,7 +91,7 @@ class PassCosts:
     def _correction(self, rows: int, width: int) -> float:
         residuals, x = self._residuals(rows, width)
         drift = self.plain_drift if width <= 1 else self.spec_drift
-        return drift + (CostModel._interp(residuals, x) if residuals else 0.0)
+        return drift + (interp(residuals, x) if residuals else 0.0)
 
     def _residuals(self, rows: int, width: int) -> tuple[dict[int, float], int]:
         return (self.plain_residual, rows) if width <= 1 else (self.spec_residual, rows * width)
@@ -125,7 +117,20 @@ class PassCosts:
         )
 
 
-def choose_widths(rows: list[Row], choices: list[Choice], costs: PassCosts) -> list[int]:
+class BudgetRow(Protocol):
+    """What the budget reads of a row of the pass (``generation.row.Row``)."""
+
+    @property
+    def policy(self) -> WidthPolicy: ...
+
+    @property
+    def position(self) -> int:  # tokens its cycle attends to
+        ...
+
+
+def choose_widths(
+    rows: Sequence[BudgetRow], choices: Sequence[Choice], costs: PassCosts
+) -> list[int]:
     """Cap the adaptive rows' chosen widths where the batch's tokens per second is highest
     (a fixed width is the request's own choice: kept)."""
     wanted = [c.size for c in choices]
@@ -145,88 +150,3 @@ def choose_widths(rows: list[Row], choices: list[Choice], costs: PassCosts) -> l
 
     caps = sorted({1, *wanted})
     return widths(max(caps, key=value))
-
-
-def measure_pass_costs(
-    target: Any,
-    draft: Any,
-    *,
-    context: int = 64,
-    width: int = 16,
-    budget_s: float = 8.0,
-    growth: CostModel | None = None,
-    fixed: bool = False,
-) -> PassCosts:
-    """Time plain passes of 1, 2, 4, 8, 16 rows and speculative ones of 1, 2, 4, 8 rows x
-    ``width`` (batched drafter pass + recorded verify) on ``context``-token rows; medians of
-    up to 3 runs after a warm-up, fewer once ``budget_s`` is spent (``fixed``: always 3, as
-    ``measure_costs``). ``growth``: the pair's cycle costs, whose per-token growth each row's
-    context adds to a pass. Runs MLX work: call it on the thread that owns the models."""
-    from dflash_server.generation.batch_draft import propose_rows
-    from dflash_server.generation.protocols import DraftRow
-    from dflash_server.generation.sampling import SamplingParams, TokenSampler
-
-    start = time.perf_counter()
-    greedy = TokenSampler(SamplingParams())
-    mask_id = draft.config.mask_token_id
-
-    def timed(rows: int, w: int) -> float:
-        ids = (mx.arange(rows * (context + w)).reshape(rows, -1) % 97) + 1
-        with mx.stream(generation_stream):
-            cache = target.make_cache()
-            _, taps = target.forward(ids[:, :context], cache, slice(-1, None))
-            drafts = []
-            for r in range(rows):
-                c = draft.make_cache()
-                draft.append_context(taps[r : r + 1], c, ids[r, :context])
-                block = mx.array([[1] + [mask_id] * (w - 1)])
-                drafts.append(DraftRow(draft, block, None, c, greedy, None))
-            mx.eval([c.state for c in cache], [c.state for d in drafts for c in d.cache])
-        saved = [None if c.is_trimmable() else list(c.cache) for c in cache]
-
-        def once() -> float:
-            with mx.stream(generation_stream):
-                t0 = time.perf_counter()
-                tokens = ids[:, context : context + w]
-                if w > 1:
-                    proposals = propose_rows(drafts)
-                    mx.eval([p[0] for p in proposals])
-                    with target.hooks.recording():
-                        logits, t = target.forward(tokens, cache, slice(None))
-                else:
-                    logits, t = target.forward(tokens, cache, slice(None))
-                mx.eval(mx.argmax(logits, axis=-1), *([] if t is None else [t]))
-                seconds = time.perf_counter() - t0
-            for c, slots in zip(cache, saved):  # back to the context, untimed
-                if slots is None:
-                    c.trim(w)
-                else:
-                    c.cache = list(slots)
-            return seconds
-
-        once()  # warm-up
-        runs = [once()]
-        while len(runs) < 3 and (fixed or time.perf_counter() - start < budget_s):
-            runs.append(once())
-        return statistics.median(runs)
-
-    plain = {r: timed(r, 1) for r in (1, 2, 4, 8, 16)}
-    speculative = {4: timed(1, 4), **{r * width: timed(r, width) for r in (1, 2, 4, 8)}}
-    growth = growth or CostModel(0.0, {}, {})  # each row's context adds the pair's growth
-    return PassCosts(
-        plain,
-        _rising(speculative),
-        time.perf_counter() - start,
-        context=context,
-        slope=dict(growth.slope),
-        draft_slope=growth.draft_slope,
-        draft_reach=growth.draft_reach,
-    )
-
-
-def _rising(points: dict[int, float]) -> dict[int, float]:
-    out, top = {}, 0.0
-    for x in sorted(points):
-        top = max(top, points[x])
-        out[x] = top
-    return out

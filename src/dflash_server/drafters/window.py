@@ -16,11 +16,11 @@ is unchanged, so output stays lossless.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from dflash_server.models.context import ContextCache
+from dflash_server.drafters.context import ContextCache
 
 SINKS = 4  # sink positions kept at the start of the context
 DEFAULT_WINDOW = 4096  # the server's default when the drafter's config names none
@@ -86,34 +86,24 @@ class SinkContextCache(ContextCache):
             super().restore(rest)
 
 
-def default_window(draft: Any) -> int | None:
-    """The window a drafter's config asks for (``sliding_window_size``, as z-lab's reference
-    takes it), else None."""
-    size = getattr(draft.config, "sliding_window_size", None)
-    return int(size) if size else None
+@dataclass(frozen=True)
+class SinkWindow:
+    """The server's bound on a full-attention layer's context: ``size`` positions, the first
+    ``sinks`` of them and the newest ``size - sinks``."""
 
+    size: int
+    sinks: int = SINKS
 
-def apply_draft_window(draft: Any, window: int | None, sinks: int = SINKS) -> int | None:
-    """Bound the context of ``draft``'s full-attention layers (None or 0: the whole context);
-    return the window in force. New caches (``draft.make_cache()``) follow it."""
-    window = window or None
-    if window is not None and window <= sinks:
-        raise ValueError(f"draft window must be > {sinks} (its sink positions), got {window}")
-    for layer in draft.layers:
-        attn = layer.self_attn
-        if attn.window is None:  # full attention; sliding layers keep their trained window
-            object.__setattr__(attn, "context_window", None if window is None else (window, sinks))
-    return window
+    def __post_init__(self) -> None:
+        if self.size <= self.sinks:
+            raise ValueError(
+                f"draft window must be > {self.sinks} (its sink positions), got {self.size}"
+            )
 
+    @classmethod
+    def of(cls, window: int | None) -> SinkWindow | None:
+        """The window ``--draft-window`` asks for (None or 0: the whole context)."""
+        return cls(window) if window else None
 
-def context_reach(draft: Any) -> int | None:
-    """The most context positions any of ``draft``'s layers attends to (sinks included);
-    None when some layer reads all of it, or its layers are not of this module's kind."""
-    reach = 0
-    for layer in getattr(draft, "layers", None) or [None]:
-        attn = getattr(layer, "self_attn", None)
-        bound = getattr(attn, "window", None) or getattr(attn, "context_window", None)
-        if bound is None:
-            return None
-        reach = max(reach, bound[0] if isinstance(bound, tuple) else int(bound))
-    return reach
+    def cache(self) -> SinkContextCache:
+        return SinkContextCache(self.size, self.sinks)

@@ -17,7 +17,10 @@ mlx-lm's own Qwen3.5 decoder layer (docs/design.md, "Drafter families").
 from __future__ import annotations
 
 import copy
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -26,8 +29,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from dflash_server.models.drafter import DraftSampler
-from dflash_server.models.target_parts import find_target_parts
+from dflash_server.drafters.protocol import ContextLayer, Drafted, DraftRow, Family
+from dflash_server.models.loading import load_arrays, load_checkpoint, resolve_model_path
+from dflash_server.models.target_parts import find_target_parts, float_bytes
 
 DEFAULT_BLOCK = 8  # the widest cycle it may verify (1 + drafts); "auto" picks 1..this
 
@@ -106,9 +110,10 @@ class PendingHidden:
 
 
 class MTPDrafter(nn.Module):
-    """The MTP head, loaded from the target's checkpoint (``models/loading.py``)."""
+    """The MTP head, loaded from the target's checkpoint (``FAMILY``)."""
 
     family = "MTP"
+    window = None  # one layer over the whole context: no window to bound
 
     def __init__(self, config: MTPConfig):
         super().__init__()
@@ -122,7 +127,7 @@ class MTPDrafter(nn.Module):
         full = args.full_attention_interval - 1
         self.layers = [DecoderLayer(args, full) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
-        self._bound: tuple[Any, Any, Any] | None = None  # (embed, final norm, lm_head)
+        self._target: tuple[Any, Any, Any] | None = None  # (embed, final norm, lm_head)
 
     def bind(self, target: nn.Module) -> MTPDrafter:
         """Borrow the target's embedding, final norm and LM head; refuse a target it does not
@@ -135,22 +140,34 @@ class MTPDrafter(nn.Module):
                 f"does not fit this {parts.num_layers}-layer, {parts.hidden_size}-wide one: use "
                 "the head of this target's own checkpoint (--draft mtp)"
             )
-        self._bound = (parts.embed_tokens, parts.backbone.norm, parts.lm_head)
+        self._target = (parts.embed_tokens, parts.backbone.norm, parts.lm_head)
         return self
 
     def set_window(self, window: int | None) -> int | None:
         return None  # one layer over the context: no window to bound
 
+    def context_window(self) -> tuple[int, int] | None:
+        return None  # it reads every committed position
+
+    def skip_context(self, n: int, cache: list[Any]) -> None:
+        raise ValueError("the MTP head reads every position: no context can be skipped")
+
+    def context_layers(self, activation_bytes: int) -> tuple[ContextLayer, ...]:
+        """The layer's K/V over every committed position (its pending hidden state is one
+        position, not counted)."""
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            width = attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
+            out.append(ContextLayer(width * max(activation_bytes, float_bytes(attn.k_proj)), None))
+        return tuple(out)
+
     def make_cache(self) -> list[Any]:
         return [MTPContext() for _ in self.layers] + [PendingHidden()]
 
-    def append_context(
-        self, target_hidden: mx.array, cache: list[Any], tokens: mx.array | None = None
-    ) -> None:
+    def append_context(self, target_hidden: mx.array, cache: list[Any], tokens: mx.array) -> None:
         """Pair each new committed position with the token after it (the next position's
         token; the newest waits in ``PendingHidden`` for the next call or the anchor)."""
-        if tokens is None:
-            raise ValueError("the MTP head needs the tokens of its context positions")
         embed, final_norm, _ = self.borrowed()
         hidden = final_norm(target_hidden)
         pending = cache[-1]
@@ -164,29 +181,23 @@ class MTPDrafter(nn.Module):
         pending.hidden = hidden[:, -1:]
         pending.offset += target_hidden.shape[1]
 
-    def propose(
-        self,
-        block_ids: mx.array,
-        target_hidden: mx.array | None,
-        cache: list[Any],
-        sampler: DraftSampler,
-        history: mx.array | None,
-    ) -> tuple[mx.array, mx.array | None]:
-        """``block_ids.shape[1] - 1`` drafts after the anchor (``block_ids[0, 0]``), one MTP
-        pass each, and the log q of each (None when greedy)."""
-        if target_hidden is not None:
-            raise ValueError("the MTP head takes its context through append_context")
+    def propose(self, rows: Sequence[DraftRow]) -> list[Drafted]:
+        """Each row's ``width - 1`` drafts after its anchor (``block[0, 0]``), one MTP pass
+        each, and the log q of each (None when greedy); row by row."""
+        return [self._propose(row) for row in rows]
+
+    def _propose(self, row: DraftRow) -> Drafted:
         embed, _, lm_head = self.borrowed()
-        pending, layers = cache[-1], cache[:-1]
+        pending, layers = row.cache[-1], row.cache[:-1]
         if pending.hidden is None:
             raise RuntimeError("the MTP head has no context (its prefill fed none)")
-        k = block_ids.shape[1] - 1
+        k = row.width - 1
         # Every pass here adds K/V that is dropped below: the anchor's own entry joins the
         # context with the next append_context, so drafting never changes the cache.
-        out = self._layers(embed(block_ids[:, :1]), pending.hidden, layers)
+        out = self._layers(embed(row.block[:, :1]), pending.hidden, layers)
         drafts, log_qs = [], []
         for j in range(k):
-            draft, log_q = sampler.propose(lm_head(out)[0], history)
+            draft, log_q = row.sampler.propose(lm_head(out)[0], row.history)
             drafts.append(draft)
             log_qs.append(log_q)
             if j < k - 1:
@@ -211,6 +222,114 @@ class MTPDrafter(nn.Module):
 
     def borrowed(self) -> tuple[Any, Any, Any]:
         """The target's embedding, final norm and LM head (set by ``bind``)."""
-        if self._bound is None:
+        if self._target is None:
             raise RuntimeError("MTPDrafter.bind(target) must be called before drafting")
-        return self._bound
+        return self._target
+
+
+# -- loading: from the target's own checkpoint, or a split export ---------------------------
+
+
+def mtp_weights(path: Path) -> dict[str, mx.array]:
+    """The ``mtp.*`` tensors of a checkpoint folder (the target's, or a split export), named as
+    the head names them (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...)."""
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # only the shards that hold the head, when the index names them
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = {v for k, v in weight_map.items() if "mtp." in k}
+        files = [f for f in files if f.name in names] or files
+    out: dict[str, mx.array] = {}
+    for f in files:
+        for key, value in load_arrays(f).items():
+            if key.startswith("mtp.") or ".mtp." in key:
+                out[key.split("mtp.", 1)[1]] = value
+    return out
+
+
+def has_mtp(path: Path) -> bool:
+    """Whether a target checkpoint folder carries its MTP head."""
+    raw = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    text = raw.get("text_config", raw)
+    return bool(text.get("mtp_num_hidden_layers")) and bool(mtp_weights(path))
+
+
+def load_mtp(path_or_repo: str | Path, target: nn.Module) -> MTPDrafter:
+    """Load the MTP head from a checkpoint folder that holds ``mtp.*`` tensors: the target's
+    own (``--draft mtp``) or a split export, quantized or not; bound to ``target``."""
+    path = resolve_model_path(path_or_repo, ["*.safetensors", "*.json"])
+    return _load(path, json.loads((path / "config.json").read_text()), target)
+
+
+def _load(path: Path, raw: dict[str, Any], target: nn.Module | None) -> MTPDrafter:
+    if target is None:
+        raise ValueError("the MTP head loads with its target (its layers are the target's kind)")
+    text = dict(raw.get("text_config", raw))
+    if not text.get("mtp_num_hidden_layers"):
+        raise ValueError(
+            f"{path} has no MTP head (config.json: no mtp_num_hidden_layers); pass a DFlash "
+            "drafter, the original checkpoint that carries mtp.* tensors, or no --draft"
+        )
+    weights = mtp_weights(path)
+    if not weights:
+        raise ValueError(
+            f"no mtp.* tensors in {path}: MLX conversions usually drop them; use the original "
+            "checkpoint, or a split MTP export (dflash-serve convert keeps the head)"
+        )
+    config = MTPConfig(text, block_size=int(raw.get("block_size", DEFAULT_BLOCK)))
+    if _unsanitized(path):  # the original layout stores zero-centred norms (weight + 1)
+        weights = {k: v + 1.0 if k.endswith("norm.weight") and v.ndim == 1 else v
+                   for k, v in weights.items()}  # fmt: skip
+    model = MTPDrafter(config)
+    weights = _sanitize_layers(weights, target, config)
+    load_checkpoint(model, path, raw, source=f"{path} (MTP head)", weights=weights)
+    return model.bind(target)
+
+
+# A split export (``model_type: qwen3_5_mtp``); ``--draft mtp`` names the target's own folder.
+FAMILY = Family(
+    "MTP",
+    lambda raw: str(raw.get("model_type", "")).endswith("_mtp"),
+    _load,
+    "a split MTP head (model_type *_mtp), or --draft mtp",
+)
+
+
+def _unsanitized(path: Path) -> bool:
+    """Whether the folder is in the original (Hugging Face) layout, as mlx-lm tells: a Gated
+    DeltaNet conv1d weight not yet moved to MLX's layout."""
+    for f in sorted(path.glob("*.safetensors")):
+        for key, value in load_arrays(f).items():
+            if key.endswith("conv1d.weight"):
+                return value.shape[-1] != 1
+    return False
+
+
+def _sanitize_layers(
+    weights: dict[str, mx.array], target: nn.Module, config: MTPConfig
+) -> dict[str, mx.array]:
+    """The head's decoder layers as mlx-lm sanitizes the target's (e.g. stacked MoE experts):
+    each is renamed as a full-attention target layer, sanitized by the target, renamed back."""
+    sanitize = getattr(target, "sanitize", None)
+    if sanitize is None:
+        return weights
+    interval = config.layer_args().full_attention_interval
+    own = {f"model.language_model.layers.{interval * (i + 1) - 1}.": f"layers.{i}."
+           for i in range(config.num_hidden_layers)}  # fmt: skip
+    renamed = {}
+    for key, value in weights.items():
+        for theirs, mine in own.items():
+            if key.startswith(mine):
+                key = theirs + key[len(mine) :]
+        renamed[key] = value
+    out = {}
+    for key, value in sanitize(renamed).items():
+        for theirs, mine in own.items():
+            # Qwen3.5's sanitize moves them under language_model.model.; a plain attention
+            # target's (a head trained for it with train --mtp) leaves the names as they were.
+            for name in (theirs.replace("model.language_model.", "language_model.model."), theirs):
+                if key.startswith(name):
+                    key = mine + key[len(name) :]
+                    break
+        out[key.removeprefix("language_model.model.").removeprefix("language_model.")] = value
+    return out

@@ -1,0 +1,90 @@
+"""Measuring a pair's ``PassCosts`` (``adaptive/pass_costs.py``): batched passes of the real
+decoder's pieces (the rows' drafter pass, one recorded verify) timed at a few sizes at load."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from dflash_server.adaptive.costs import CostModel, rising
+from dflash_server.adaptive.pass_costs import PassCosts
+from dflash_server.drafters.protocol import Drafter, DraftRow
+from dflash_server.generation.sampling import SamplingParams, TokenSampler
+from dflash_server.generation.target import TargetModel
+
+
+def measure_pass_costs(
+    target: TargetModel,
+    draft: Drafter,
+    *,
+    context: int = 64,
+    width: int = 16,
+    budget_s: float = 8.0,
+    growth: CostModel | None = None,
+    fixed: bool = False,
+) -> PassCosts:
+    """Time plain passes of 1, 2, 4, 8, 16 rows and speculative ones of 1, 2, 4, 8 rows x
+    ``width`` (batched drafter pass + recorded verify) on ``context``-token rows; medians of
+    up to 3 runs after a warm-up, fewer once ``budget_s`` is spent (``fixed``: always 3, as
+    ``measure_costs``). ``growth``: the pair's cycle costs, whose per-token growth each row's
+    context adds to a pass. Runs MLX work: call it on the thread that owns the models."""
+    start = time.perf_counter()
+    greedy = TokenSampler(SamplingParams())
+    mask_id = draft.config.mask_token_id
+
+    def timed(rows: int, w: int) -> float:
+        ids = (mx.arange(rows * (context + w)).reshape(rows, -1) % 97) + 1
+        with mx.stream(generation_stream):
+            cache = target.make_cache()
+            _, taps = target.forward(ids[:, :context], cache, slice(-1, None))
+            assert taps is not None, "a target tapped for the drafter"
+            drafts = []
+            for r in range(rows):
+                c = draft.make_cache()
+                draft.append_context(taps[r : r + 1], c, ids[r, :context])
+                block = mx.array([[1] + [mask_id] * (w - 1)])
+                drafts.append(DraftRow(block, c, greedy))
+            mx.eval([c.state for c in cache], [c.state for d in drafts for c in d.cache])
+        saved = [None if c.is_trimmable() else list(c.cache) for c in cache]
+
+        def once() -> float:
+            with mx.stream(generation_stream):
+                t0 = time.perf_counter()
+                tokens = ids[:, context : context + w]
+                if w > 1:
+                    proposals = draft.propose(drafts)
+                    mx.eval([p[0] for p in proposals])
+                    with target.hooks.recording():
+                        logits, t = target.forward(tokens, cache, slice(None))
+                else:
+                    logits, t = target.forward(tokens, cache, slice(None))
+                mx.eval(mx.argmax(logits, axis=-1), *([] if t is None else [t]))
+                seconds = time.perf_counter() - t0
+            for c, slots in zip(cache, saved):  # back to the context, untimed
+                if slots is None:
+                    c.trim(w)
+                else:
+                    c.cache = list(slots)
+            return seconds
+
+        once()  # warm-up
+        runs = [once()]
+        while len(runs) < 3 and (fixed or time.perf_counter() - start < budget_s):
+            runs.append(once())
+        return statistics.median(runs)
+
+    plain = {r: timed(r, 1) for r in (1, 2, 4, 8, 16)}
+    speculative = {4: timed(1, 4), **{r * width: timed(r, width) for r in (1, 2, 4, 8)}}
+    growth = growth or CostModel(0.0, {}, {})  # each row's context adds the pair's growth
+    return PassCosts(
+        plain,
+        rising(speculative),
+        time.perf_counter() - start,
+        context=context,
+        slope=dict(growth.slope),
+        draft_slope=growth.draft_slope,
+        draft_reach=growth.draft_reach,
+    )
