@@ -259,6 +259,7 @@ def test_greedy_with_penalties_and_changing_widths(tiny_hybrid):
     assert tokens == reference
 
 
+@pytest.mark.slow
 def test_sampling_is_exact_with_changing_widths(tiny_hybrid):
     """Joint law of the first 3 tokens when cycles switch between widths (cf. test_sampling)."""
     from collections import Counter

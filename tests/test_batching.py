@@ -229,6 +229,7 @@ def test_sampled_rows_equal_their_lone_runs(tiny_hybrid: tuple[Any, Any]) -> Non
         assert out[key] == tokens_of(make().generate(prompt, n)), key
 
 
+@pytest.mark.slow
 def test_sampled_rows_follow_the_target_law(tiny_hybrid: tuple[Any, Any]) -> None:
     """Joint law of 3 tokens per row, rows batched 8 at a time, against the exact law."""
     from collections import Counter

@@ -151,6 +151,7 @@ def _check(response: httpx.Response, what: str) -> None:
     assert {"type", "param", "code"} <= set(err), what
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_are_all_4xx_errors(server: RunningServer) -> None:
     rng = random.Random(20240604)
     counts: dict[int, int] = {}

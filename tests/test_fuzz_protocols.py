@@ -233,6 +233,7 @@ def server(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[Any]:
         yield srv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("path", "bases", "shaped", "seed"),
     [

@@ -79,6 +79,7 @@ def decoder(model: Any, head: Any, policy: Any, **kw: Any) -> SpeculativeDecoder
     [lambda: FixedBlock(2), lambda: FixedBlock(4), lambda: Scripted([1, 3, 2, 4, 1, 1, 4], 4)],
     ids=["width 2", "width 4", "widths changing"],
 )
+@pytest.mark.slow
 def test_greedy_equals_plain_decoding(pair: tuple[Any, Any, Any], policy: Any) -> None:
     model, tokenizer, head = pair
     prompt = tokenizer.encode(TEXT[:60])
@@ -88,6 +89,7 @@ def test_greedy_equals_plain_decoding(pair: tuple[Any, Any, Any], policy: Any) -
         assert lone.stats.tau > 2.0  # long acceptances: every rollback path ran
 
 
+@pytest.mark.slow
 def test_batched_rows_equal_their_lone_runs(pair: tuple[Any, Any, Any]) -> None:
     """MTP rows of different widths (one sampled, seeded) beside a plain row, joining at
     different rounds: each row as alone."""
@@ -109,6 +111,7 @@ def test_batched_rows_equal_their_lone_runs(pair: tuple[Any, Any, Any]) -> None:
     assert tokens_of(out["w4"]) == plain(model, ids[0], 40)
 
 
+@pytest.mark.slow
 def test_prefix_cache_hit_equals_cold(pair: tuple[Any, Any, Any]) -> None:
     model, tokenizer, head = pair
     system = tokenizer.encode(TEXT[:50])
@@ -176,6 +179,7 @@ def test_a_head_that_does_not_fit_is_refused(tmp_path: Path, tiny_hybrid: Any) -
         load_mtp(build_target(tmp_path / "plain", arch="qwen3_5"), model)
 
 
+@pytest.mark.slow
 def test_serving_with_mtp_and_with_no_drafter(fitted: tuple[Path, Path]) -> None:
     """``--draft mtp`` (the head in the target's checkpoint: random here, still exact) and
     ``--target`` alone (suffix drafts and plain decoding) both serve; the log says which."""
@@ -203,6 +207,7 @@ def test_serving_with_mtp_and_with_no_drafter(fitted: tuple[Path, Path]) -> None
     assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 def test_split_export_loads_as_a_drafter_folder(fitted: tuple[Path, Path]) -> None:
     path, head = fitted
     config = json.loads((head / "config.json").read_text())

@@ -132,6 +132,7 @@ def served(sock: socket.socket) -> bytes:
     return head
 
 
+@pytest.mark.slow
 def test_an_idle_connection_outlives_the_clients_pools(server: RunningServer) -> None:
     """Idle for 5.5 s, longer than httpx (the OpenAI and Anthropic SDKs) keeps a pooled
     connection: still served. uvicorn's own 5 s closed it then, and a client reusing it at

@@ -170,6 +170,7 @@ def test_constrained_copies_equal_plain_decoding(tiny_attn: Any) -> None:
         shared.add([t + 1 if i % 5 == 4 else t for i, t in enumerate(reference)])
 
 
+@pytest.mark.slow
 def test_point_mass_acceptance_reproduces_the_target_distribution():
     """A proposal with q = 1 on its token: kept with p(token), else resampled from p without it."""
     probs = [[0.5, 0.3, 0.15, 0.05, 0.0], [0.1, 0.2, 0.3, 0.2, 0.2]]
@@ -205,6 +206,7 @@ def likeliest_copies(prompt: list[int], exact: dict[tuple[int, ...], float]) -> 
     return shared
 
 
+@pytest.mark.slow
 def test_sampled_copies_follow_the_target_law(tiny_hybrid: Any) -> None:
     """Joint law of the first 3 tokens when every cycle verifies a copy of the likeliest path."""
     model, tokenizer = tiny_hybrid

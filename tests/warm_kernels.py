@@ -6,7 +6,7 @@ it runs, and keeps the library in its folder under the temporary directory. A fr
 start limit would count. ``tests/conftest.py`` runs this once per temporary directory, before
 the test workers start: it loads the tiny pair as a server does (the cycle and batched-pass
 measurements), then decodes a few requests of each kind, and leaves a marker beside MLX's
-kernels (docs/development.md, "First run").
+kernels (docs/development.md, "Tests").
 
 Run by hand: ``python tests/warm_kernels.py`` (idempotent; it prints what it took).
 """
