@@ -11,8 +11,10 @@ shrunk towards a per-cycle rate, which also stands in for positions not tried la
 the ``CostModel`` measured at load and refined from this request's cycle timings. Switching
 between plain decoding and speculation needs a margin (hysteresis). When plain decoding wins,
 the controller probes speculation again after a gap of plain steps that doubles after each probe
-that does not pay (up to ``max_probe_gap``); a fully accepted probe is followed at once by a
-wider one, so it recovers when the text turns predictable. Any sequence of widths is lossless:
+that does not pay (up to ``max_probe_gap``), the plain steps counted over the pair's requests
+(``SharedPrior`` in ``evidence.py``, where the acceptance evidence lives too): however short the
+requests, a drafter switched off is tried again. A fully accepted probe is followed at once by a wider one,
+so it recovers when the text turns predictable. Any sequence of widths is lossless:
 each cycle is exact on its own, and the width is chosen from past cycles only (never from the
 drafts it is about to verify).
 
@@ -28,143 +30,15 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from dflash_server.adaptive.costs import CostModel
+from dflash_server.adaptive.evidence import AcceptanceModel, SharedPrior, SuffixTrust
 from dflash_server.adaptive.policy import DRAFTER, SUFFIX, Choice, Source
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from dflash_server.drafters.suffix import Proposal
 
 
 _OFF = 1.5  # a cycle this many times cheaper than estimated says the costs are off
 _UNTIMED = 1.1  # a narrower width no real cycle has timed looks this much better
-
-
-class SuffixTrust:
-    """How far to believe suffix confidences: the drafts recent suffix cycles got accepted over
-    the number their confidences predicted (decayed sums plus ``prior`` drafts on each side, so
-    one copy that breaks early does not end copying; within ``bounds``)."""
-
-    def __init__(
-        self,
-        decay: float = 0.8,
-        cap: float = 0.98,
-        bounds: tuple[float, float] = (0.05, 1.5),
-        prior: float = 4.0,
-    ):
-        self.decay, self.cap, self.bounds, self.prior = decay, cap, bounds, prior
-        self.observed = self.predicted = 0.0
-
-    @property
-    def factor(self) -> float:
-        ratio = (self.observed + self.prior) / (self.predicted + self.prior)
-        return min(max(ratio, self.bounds[0]), self.bounds[1])
-
-    def rates(
-        self, confidence: tuple[float, ...] | list[float], factor: float | None = None
-    ) -> list[float]:
-        f = self.factor if factor is None else factor
-        return [min(self.cap, f * c) for c in confidence]
-
-    def forget(self, factor: float = 0.97) -> None:
-        """A proposal passed over: let old evidence fade, so a low trust is retried later."""
-        self.observed *= factor
-        self.predicted *= factor
-
-    def observe(self, confidence: tuple[float, ...], accepted: int) -> None:
-        predicted = AcceptanceModel.expected(self.rates(confidence, 1.0), len(confidence) + 1) - 1
-        self.observed = self.decay * self.observed + accepted
-        self.predicted = self.decay * self.predicted + predicted
-
-
-class SharedPrior:
-    """Where a new request's acceptance estimate starts: the latest per-cycle rate (kept within
-    ``bounds``, so one hopeless or perfect request never decides the next one's first cycles
-    alone) and the per-position evidence any request on this pair saw, at most one cycle's
-    worth per position. The positions matter: a pair that drafts 3 tokens right and then goes
-    wrong reads as a flat 0.75 per draft, which undervalues a 4-wide block; and a pair whose
-    full 8-wide blocks are all accepted must remember the one wider cycle that failed at the
-    ninth position, or every request pays that wider cycle again."""
-
-    def __init__(self, rate: float = 0.75, bounds: tuple[float, float] = (0.2, 0.9)):
-        self.bounds = bounds
-        self.rate = rate
-        self.positions: list[tuple[float, float]] = []  # (accepted, tried) per draft position
-
-    def start(self, positions: int) -> AcceptanceModel:
-        """A new request's acceptance model, starting from this prior."""
-        return AcceptanceModel(positions, self.rate, prior_positions=self.positions)
-
-    def update(self, acceptance: AcceptanceModel) -> None:
-        low, high = self.bounds
-        self.rate = min(max(acceptance.rate, low), high)
-        # Counts, not rates (a shrunk rate taken as evidence would be shrunk twice), each
-        # scaled down to at most one cycle's worth.
-        self.positions = [
-            (a / max(t, 1.0), t / max(t, 1.0))
-            for a, t in zip(acceptance.accepted, acceptance.tried)
-        ]
-
-
-class AcceptanceModel:
-    """Recent acceptance: a per-cycle rate, and decayed per-position counts shrunk towards it.
-
-    The rate is an average over cycles (each weighs the same), of each cycle's own estimate
-    ``accepted / (accepted + rejected?)``: a run of full blocks then counts as many cycles, not
-    as hundreds of accepted drafts, so a turn to unpredictable text shows within a few cycles.
-    Positions past a full block (never tried) keep their evidence, fading slowly: a width that
-    stops at the acceptance length must not forget why it stopped there.
-    """
-
-    def __init__(
-        self,
-        positions: int,
-        prior_rate: float = 0.75,
-        shrink: float = 0.5,
-        decay: float = 0.8,
-        stale_decay: float = 0.97,
-        prior_positions: Sequence[tuple[float, float]] = (),
-    ):
-        prior = list(prior_positions[:positions])  # (accepted, tried) each
-        missing = [(0.0, 0.0)] * (positions - len(prior))
-        self.accepted = [a for a, _ in prior + missing]
-        self.tried = [t for _, t in prior + missing]  # index j-1: draft j
-        self.rate = prior_rate
-        self.shrink, self.decay, self.stale_decay = shrink, decay, stale_decay
-
-    def observe(self, drafted: int, accepted: int, decay: float | None = None) -> None:
-        """One cycle drafted ``drafted`` tokens and the first ``accepted`` survived; older
-        evidence is scaled by ``decay`` first (default: the model's; a probe passes less)."""
-        decay = self.decay if decay is None else decay
-        # Geometric estimate of one cycle; a full block is censored (its next draft was never
-        # tried), so it counts as half a rejection rather than proof of certain acceptance.
-        full = accepted == drafted
-        own = (accepted + full) / (accepted + 1 + full) if drafted else self.rate
-        self.rate = decay * self.rate + (1 - decay) * own
-        reached = min(accepted + 1, drafted, len(self.tried))
-        for j in range(len(self.tried)):
-            # Beyond a full block the evidence is only censored, so it keeps (slowly fading);
-            # beyond a rejection it fades as fast as what was tried (the text may have turned).
-            factor = self.stale_decay if j >= reached and full else decay
-            self.tried[j] *= factor
-            self.accepted[j] *= factor
-            if j < reached:
-                self.tried[j] += 1.0
-                self.accepted[j] += 1.0 if j < accepted else 0.0
-
-    def rates(self) -> list[float]:
-        """a_j per draft position, each shrunk towards the recent per-cycle rate."""
-        rate, k = self.rate, self.shrink
-        return [(a + k * rate) / (t + k) for a, t in zip(self.accepted, self.tried)]
-
-    @staticmethod
-    def expected(rates: list[float], size: int) -> float:
-        """E[committed tokens] of a cycle of ``size`` positions (``size - 1`` drafts)."""
-        total, survive = 1.0, 1.0
-        for a in rates[: size - 1]:
-            survive *= a
-            total += survive
-        return total
 
 
 class BlockController:
@@ -193,14 +67,16 @@ class BlockController:
         self.max_block = max(1, max_block)
         self.block_size = self.max_block  # the widest it may pick (reported as block_size)
         self.costs = costs
-        self.prior, self.margin = prior, margin
-        self.acceptance = (prior or SharedPrior()).start(max(1, self.max_block - 1))
+        # The pair's (shared by its requests), or one of its own.
+        self.prior, self.margin = prior or SharedPrior(), margin
+        self.acceptance = self.prior.start(max(1, self.max_block - 1))
         self.min_gap, self.max_gap = probe_gap, max_probe_gap
         self.probe_block, self.probe_decay = probe_block, probe_decay
         self.probe_budget = probe_budget
-        self.gap = self._first_gap()  # plain steps before the next probe
+        self.gap = self._first_gap()  # the pair's plain steps before the next probe
         self.plain_run = 0  # plain steps decided since the last speculative cycle
         self.probing = False  # the speculative cycle in flight is a probe
+        self.speculating = False  # the last cycle decided was speculation that pays (no probe)
         self.widen_probe = 0  # width of a follow-up probe (after a fully accepted one)
         self.probes = 0
         self.trust = SuffixTrust()
@@ -265,14 +141,16 @@ class BlockController:
             self._rivals[key] = self._value(self.acceptance.rates(), width)
         return self._rivals[key]
 
-    def might_copy(self) -> bool:
-        """Whether a copy could be worth verifying at all (the decoder then skips its plain
-        lookahead, which decides before the last token is known); a passed-over chance lets
-        old evidence fade, so a low trust is retried later."""
-        if self.trust.factor >= self.min_trust:
-            return True
-        self.trust.forget()
-        return False
+    def might_copy(self, room: int, proposal: Proposal | None) -> bool:
+        """Whether this proposal is a copy worth verifying now (the decoder then skips its
+        plain lookahead, which decides before the last token is known); a passed-over chance
+        lets old evidence fade, so a low trust is retried later. A mere match is not enough:
+        with a large index of recent outputs nearly every pair of tokens matches somewhere,
+        and giving up the lookahead for each slowed plain decoding by 15 %."""
+        if self.trust.factor < self.min_trust:
+            self.trust.forget()
+            return False
+        return self.copies(room, proposal) > 0
 
     def copies(self, room: int, proposal: Proposal | None) -> int:
         """How many of a suffix proposal's tokens to verify next (0: none), without deciding:
@@ -302,23 +180,34 @@ class BlockController:
             return 1
         if self.widen_probe:  # the last probe's block was fully accepted: look wider at once
             size, self.widen_probe = min(self.widen_probe, room), 0
-            self.probing, self.plain_run = True, 0
+            self.probing, self.plain_run, self.speculating = True, 0, False
+            self.prior.plain_steps = 0
             self.probes += 1
             return size
         # While decoding plainly no acceptance evidence arrives: reuse the last choice, and
         # re-check only every few steps (the cost corrections still move).
-        if self.plain_run and self.plain_run % 8 and self.plain_run < self.gap:
+        # Probes are due once the pair's requests decided ``gap`` plain steps since the last
+        # one: a drafter switched off is tried again however short the requests are.
+        prior = self.prior
+        due = prior.plain_steps >= self.gap
+        if self.plain_run and self.plain_run % 8 and not due:
             self.plain_run += 1
+            prior.plain_steps += 1
             return 1
         size = self._best(room)
-        if size == 1 and self.plain_run >= self.gap:  # probe: is speculation paying again?
+        if size == 1 and due:  # probe: is speculation paying again?
             size = max(self._best(room, 2), min(self.probe_block, room, self.max_block))
             self.probing = True
             self.probes += 1
+            prior.plain_steps = 0
         if size == 1:
+            if self.speculating:  # it just stopped paying here: a whole gap before a probe
+                prior.plain_steps = 0
             self.plain_run += 1
+            prior.plain_steps += 1
         else:
             self.plain_run = 0
+        self.speculating = size > 1 and not self.probing
         return size
 
     def observe(
@@ -346,8 +235,7 @@ class BlockController:
         # A probe's result outweighs the evidence that made speculation stop.
         decay = self.probe_decay if self.probing else None
         self.acceptance.observe(size - 1, accepted, decay)
-        if self.prior is not None:
-            self.prior.update(self.acceptance)
+        self.prior.update(self.acceptance)
         if self.probing:
             self.probing = False
             paid = self._best(self.max_block) > 1

@@ -66,8 +66,9 @@ class WidthPolicy(Protocol):
         suffix copy on offer, if any; ``context``: the tokens the cycle attends to."""
         ...
 
-    def might_copy(self) -> bool:
-        """Whether a suffix copy could be chosen at all (cheap: no proposal is built)."""
+    def might_copy(self, room: int, proposal: Proposal | None) -> bool:
+        """Whether this suffix proposal would be verified now (a copy running on): a decoder
+        that looks ahead past the next token does not, then."""
         ...
 
     def observe(
@@ -103,7 +104,7 @@ class FixedBlock:
     def choose(self, room: int, proposal: Proposal | None = None, context: int = 0) -> Choice:
         return Choice.width(max(1, min(self.block_size, room)))
 
-    def might_copy(self) -> bool:
+    def might_copy(self, room: int, proposal: Proposal | None) -> bool:
         return False
 
     def observe(

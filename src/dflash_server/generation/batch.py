@@ -296,12 +296,13 @@ class BatchDecoder:
                 for i, (row, c, h) in enumerate(zip(rows, choices, histories))
             ]  # fmt: skip
             mx.eval(*[a for c in cycles for a in c.arrays()])
-        # Each row learns what its cycle would have cost alone (the rows' cost models are lone
-        # ones): the pass's time scaled by the measured curve's lone/batched ratio.
-        alone = time.perf_counter() - start
-        if self.costs is not None and len(rows) > 1:
-            alone *= self.costs.cost(1, width) / self.costs.cost(len(rows), width)
-        commits = {row: row.read(cycle, alone) for row, cycle in zip(rows, cycles)}
+        # Each row learns what its own cycle would have cost alone (the rows' cost models are
+        # lone ones): never a wider row's width (docs/design.md, "Batching under speculation").
+        seconds = time.perf_counter() - start
+        shares = self._lone_shares(rows, choices, width)
+        commits = {
+            row: row.read(cycle, seconds * share) for row, cycle, share in zip(rows, cycles, shares)
+        }
         for row in rows:
             row.stats.batch_histogram[len(rows)] = row.stats.batch_histogram.get(len(rows), 0) + 1
         keep = [row.kept for row in rows]
@@ -322,6 +323,16 @@ class BatchDecoder:
         self.last_pass = (len(rows), len(rows) * width)
         self.histogram[len(rows)] = self.histogram.get(len(rows), 0) + 1
         return commits
+
+    def _lone_shares(self, rows: list[Row], choices: list[Choice], width: int) -> list[float]:
+        """Each row's share of the pass's time: what its cycle (its own width and context)
+        costs alone over what the whole pass costs, on the measured curve; without one, the
+        whole pass (a lone pass: exactly its own)."""
+        if self.costs is None or len(rows) < 2:
+            return [1.0] * len(rows)
+        contexts = [row.position for row in rows]
+        whole = self.costs.cost(len(rows), width, contexts)
+        return [self.costs.cost(1, c.size, [n]) / whole for c, n in zip(choices, contexts)]
 
 
 def _drafts(

@@ -212,10 +212,11 @@ class Row:
         return self.policy.choose(room, proposal, self.position)
 
     def copying(self) -> bool:
-        """Whether the next cycle may verify a copy (cheap: no proposal is built here)."""
+        """Whether the next cycle may verify a copy: a copy the policy would take runs on from
+        the committed tokens' end (a proposal is built only where they match something)."""
         if self.suffix is None or not self.suffix.matches():
             return False
-        return self.policy.might_copy()
+        return self.policy.might_copy(self.room, self.suffix.propose(self.room - 1))
 
     def history(self) -> mx.array | None:
         """The token window the penalties look back over (None without penalties)."""
