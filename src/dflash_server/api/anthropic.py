@@ -136,32 +136,46 @@ def _thinking(block: Block) -> str:
         return ""
 
 
-def _unsupported(kind: str, where: str) -> APIError:
+# The block types each place takes, named in the 400 for any other.
+_IN_USER = "a user message", "text, image and tool_result"
+_IN_ASSISTANT = "an assistant message", "text, thinking, redacted_thinking and tool_use"
+_IN_TOOL_RESULT = "a tool_result", "text and image"
+_IN_SYSTEM = "a system prompt", "text"
+
+
+def _unsupported(kind: str, where: str, place: tuple[str, str]) -> APIError:
+    name, supported = place
     return APIError(
         400,
-        f"{where}: content block type {kind!r} is not supported (text, image, tool_use, "
-        "tool_result and thinking are)",
+        f"{where}: content block type {kind!r} is not supported in {name} ({supported} blocks are)",
         param=where,
         code="unsupported_content",
     )
 
 
 def _text(blocks: str | list[Any] | None, where: str) -> str:
-    """The text of a string or a list of text blocks (as dicts or Blocks)."""
+    """The text of a system prompt: a string or a list of text blocks (as dicts or Blocks)."""
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
     texts = []
-    for block in blocks:
+    for j, block in enumerate(blocks):
         b = block if isinstance(block, dict) else block.model_dump()
-        if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise _unsupported(str(b.get("type")), where)
-        texts.append(b["text"])
+        if b.get("type") != "text":
+            raise _unsupported(str(b.get("type")), f"{where}.{j}", _IN_SYSTEM)
+        texts.append(_block_text(b, f"{where}.{j}"))
     return "\n\n".join(texts)
 
 
-def _image_part(block: Block, where: str) -> dict[str, Any]:
-    """An image block as the chat image part it means (base64 data becomes a data URL)."""
-    source = block.source or {}
+def _block_text(block: dict[str, Any], where: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise APIError(400, f"{where}.text must be a string", param=f"{where}.text")
+    return block["text"]
+
+
+def _image_part(source: Any, where: str) -> dict[str, Any]:
+    """An image block's source as the chat image part it means (base64 data becomes a data
+    URL)."""
+    source = source if isinstance(source, dict) else {}  # a tool_result's blocks are unchecked
     if source.get("type") == "base64":
         media = source.get("media_type") or "image/png"
         url = f"data:{media};base64,{source.get('data') or ''}"
@@ -178,18 +192,41 @@ def _image_part(block: Block, where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}, PART_KEY: where}
 
 
-def _user_content(pieces: list[Any]) -> str | list[dict[str, Any]]:
-    """A user message's content: its texts joined by newlines; with images, text and image
-    parts in order (adjacent texts joined the same way)."""
+def _content(pieces: list[Any], sep: str) -> str | list[dict[str, Any]]:
+    """Text strings and image parts as chat content: the texts joined by ``sep``; with images,
+    text and image parts in order (adjacent texts joined the same way)."""
     if all(isinstance(p, str) for p in pieces):
-        return "\n".join(pieces)
+        return sep.join(pieces)
     parts: list[dict[str, Any]] = []
     for piece in pieces:
         if isinstance(piece, str) and parts and parts[-1]["type"] == "text":
-            parts[-1]["text"] += "\n" + piece
+            parts[-1]["text"] += sep + piece
         else:
             parts.append({"type": "text", "text": piece} if isinstance(piece, str) else piece)
     return parts
+
+
+def _tool_message(block: Block, where: str) -> dict[str, Any]:
+    """A tool_result block as the tool message it means: its text blocks joined by blank lines,
+    its images in place (rendered inside <tool_response>, docs/api.md "Images"); ``is_error``
+    results start with "Error: "."""
+    pieces: list[Any] = []
+    if block.content is None or isinstance(block.content, str):
+        pieces.append(block.content or "")
+    for k, item in enumerate(block.content if isinstance(block.content, list) else []):
+        at, kind = f"{where}.content.{k}", item.get("type")
+        if kind == "text":
+            pieces.append(_block_text(item, at))
+        elif kind == "image":
+            pieces.append(_image_part(item.get("source"), at))
+        else:
+            raise _unsupported(str(kind), at, _IN_TOOL_RESULT)
+    if block.is_error and pieces and isinstance(pieces[0], str):
+        pieces[0] = f"Error: {pieces[0]}"
+    elif block.is_error:
+        pieces.insert(0, "Error: ")
+    content = _content(pieces, "\n\n")
+    return {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}
 
 
 def _user_messages(msg: Message, where: str) -> list[dict[str, Any]]:
@@ -202,19 +239,16 @@ def _user_messages(msg: Message, where: str) -> list[dict[str, Any]]:
         if block.type == "text":
             texts.append(block.text or "")
         elif block.type == "image":
-            texts.append(_image_part(block, f"{where}.content.{j}"))
+            texts.append(_image_part(block.source, f"{where}.content.{j}"))
         elif block.type == "tool_result":
             if texts:
-                out.append({"role": "user", "content": _user_content(texts)})
+                out.append({"role": "user", "content": _content(texts, "\n")})
                 texts = []
-            result = _text(block.content, f"{where}.content.{j}.content")
-            if block.is_error:
-                result = f"Error: {result}"
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
+            out.append(_tool_message(block, f"{where}.content.{j}"))
         else:
-            raise _unsupported(block.type, f"{where}.content.{j}")
+            raise _unsupported(block.type, f"{where}.content.{j}", _IN_USER)
     if texts or not out:
-        out.append({"role": "user", "content": _user_content(texts)})
+        out.append({"role": "user", "content": _content(texts, "\n")})
     return out
 
 
@@ -238,7 +272,7 @@ def _assistant_message(msg: Message, where: str) -> dict[str, Any]:
             function = {"name": block.name, "arguments": block.input or {}}
             calls.append({"id": block.id, "type": "function", "function": function})
         elif block.type != "redacted_thinking":
-            raise _unsupported(block.type, f"{where}.content.{j}")
+            raise _unsupported(block.type, f"{where}.content.{j}", _IN_ASSISTANT)
     out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if thoughts:
         out["reasoning_content"] = "\n".join(thoughts)

@@ -7,7 +7,7 @@ from typing import Any
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.images import VIDEO_PARTS, ImageRef, image_ref, video_unsupported
-from dflash_server.api.types import ChatCompletionRequest, ChatMessage
+from dflash_server.api.types import ChatCompletionRequest, ChatMessage, TextPart
 
 
 def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
@@ -16,44 +16,24 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]]
     return [template_message(m, i, images) for i, m in enumerate(messages)], images
 
 
+# Where the chat template renders images: user turns, and tool results inside their
+# <tool_response> block (docs/api.md, "Images").
+IMAGE_ROLES = ("user", "tool")
+_PARTS = {
+    "user": "text and image_url",
+    "tool": "text and image_url",
+    "assistant": "text and refusal",
+}
+
+
 def template_message(msg: ChatMessage, index: int, images: list[ImageRef]) -> dict[str, Any]:
     """A template-ready message: text (and refusal) parts joined, 'developer' read as 'system';
-    with images, a list of text and image parts (as Qwen3.5's template renders them), each
-    image's reference appended to ``images``."""
+    with images (user and tool messages), a list of text and image parts (as Qwen3.5's template
+    renders them), each image's reference appended to ``images``."""
     content: Any = msg.content
     if isinstance(content, list):
-        parts: list[dict[str, Any]] = []
-        for j, part in enumerate(content):
-            where = f"messages.{index}.content.{j}"
-            if part.type == "image_url":
-                if msg.role != "user":
-                    raise APIError(
-                        400,
-                        f"{where}: images are only supported in user messages",
-                        param=f"messages.{index}.content",
-                        code="unsupported_content",
-                    )
-                images.append(image_ref(part.model_dump(), where))
-                parts.append({"type": "image"})
-                continue
-            if part.type in VIDEO_PARTS:
-                raise video_unsupported(where)
-            # An earlier assistant refusal is what the assistant said: it renders as text.
-            text = part.refusal if part.type == "refusal" else part.text
-            if part.type not in ("text", "refusal") or text is None:
-                raise APIError(
-                    400,
-                    f"content part type {part.type!r} is not supported; text and image_url "
-                    "parts are",
-                    param=f"messages.{index}.content",
-                    code="unsupported_content",
-                )
-            if parts and parts[-1]["type"] == "text":
-                parts[-1]["text"] += text
-            else:
-                parts.append({"type": "text", "text": text})
-        with_images = any(p["type"] == "image" for p in parts)
-        content = parts if with_images else "".join(p["text"] for p in parts)
+        parts = [_template_part(msg.role, p, index, j, images) for j, p in enumerate(content)]
+        content = _joined(parts)
     out: dict[str, Any] = {
         "role": "system" if msg.role == "developer" else msg.role,
         "content": content if content is not None else "",
@@ -67,6 +47,53 @@ def template_message(msg: ChatMessage, index: int, images: list[ImageRef]) -> di
             out[key] = value
     if msg.tool_calls:
         out["tool_calls"] = [history_call(c, index) for c in msg.tool_calls]
+    return out
+
+
+def _template_part(
+    role: str, part: TextPart, index: int, j: int, images: list[ImageRef]
+) -> dict[str, Any]:
+    """Part ``j`` of message ``index`` as the template takes it: text, or an image whose
+    reference is appended to ``images``."""
+    where = f"messages.{index}.content.{j}"
+    if part.type == "image_url":
+        ref = image_ref(part.model_dump(), where)  # named as the request spelled it
+        if role not in IMAGE_ROLES:
+            raise APIError(
+                400,
+                f"{ref.part}: images are supported in user and tool messages, not in {role} "
+                "messages",
+                param=ref.param,
+                code="unsupported_content",
+            )
+        images.append(ref)
+        return {"type": "image"}
+    if part.type in VIDEO_PARTS:
+        raise video_unsupported(where)
+    # An earlier assistant refusal is what the assistant said: it renders as text.
+    text = part.refusal if part.type == "refusal" else part.text
+    if part.type not in ("text", "refusal") or text is None:
+        supported = _PARTS.get(role, "text")
+        raise APIError(
+            400,
+            f"{where}: content part type {part.type!r} is not supported in {role} messages "
+            f"({supported} parts are)",
+            param=f"messages.{index}.content",
+            code="unsupported_content",
+        )
+    return {"type": "text", "text": text}
+
+
+def _joined(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Adjacent text parts joined; without images, the text alone."""
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        if part["type"] == "text" and out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + part["text"]}
+        else:
+            out.append(part)
     return out
 
 

@@ -3,8 +3,8 @@
 Messages (any role: developer and system ones render as system text; ``input_image`` parts
 become chat image parts), ``function_call`` items (joined to the assistant turn they belong
 to; namespaced ones under the name the prompt gives them), ``function_call_output`` items as
-tool results, and ``reasoning`` items as the reasoning of the assistant turn after them. Every
-malformed field is a 400 naming it.
+tool results (text and ``input_image`` parts alike), and ``reasoning`` items as the reasoning
+of the assistant turn after them. Every malformed field is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def _part_text(part: Any, where: str) -> str:
     if kind not in ("input_text", "output_text", "text", "refusal") or not isinstance(text, str):
         raise APIError(
             400,
-            f"content part type {kind!r} is not supported; text and input_image parts are",
+            f"{where}: content part type {kind!r} is not supported (input_text, output_text, "
+            "refusal and input_image parts are)",
             param=where,
             code="unsupported_content",
         )
@@ -161,9 +162,10 @@ def input_messages(
                 out.append(turn)
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", where)
-            output = item.get("output")
-            text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            # Its parts as a message's: input_image parts (Codex's view_image) render inside
+            # the tool response (docs/api.md, "Images").
+            output = _message_content(item.get("output"), f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             reasoning = _reasoning_text(item, where)
         else:

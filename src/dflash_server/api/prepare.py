@@ -174,6 +174,16 @@ class ChatPrompt:
     served: ServedModel | None = None  # the model it was rendered for
 
 
+def _why_no_images(served: ServedModel, settings: Settings) -> str:
+    """Why this model refuses images (user turns and tool results alike), and what would take
+    them."""
+    if not settings.vision:
+        fix = "restart the server without --no-vision"
+    else:
+        fix = "serve a checkpoint with a vision tower (Qwen3.5's own, not a text-only conversion)"
+    return f"{served.summary.vision_note}; {fix}, or send no images (in messages or tool results)"
+
+
 async def render_messages(
     req: ChatCompletionRequest, settings: Settings, engine: Engine
 ) -> ChatPrompt:
@@ -182,7 +192,7 @@ async def render_messages(
     served = _check_request(req, settings, engine)
     messages, refs = template_messages(req.messages)
     vision = served.vision
-    images = await load_images(refs, settings, vision, served.summary.vision_note)
+    images = await load_images(refs, settings, vision, _why_no_images(served, settings))
     pads = None
     if vision is not None and images:
         pads = (vision.tokens.image, [vision.count(image) for image in images])

@@ -48,7 +48,18 @@ SELECT name, value FROM table WHERE id = 1 ORDER BY name;
 The weather is nice today and the sun is shining over the hills.
 """
 
-_CHAT_TEMPLATE = (
+# Qwen3.5's render_content: a string as itself; a list of parts as its text parts, each image
+# part as the vision markers (user messages and tool results alike).
+_RENDER_CONTENT = (
+    "{%- macro render_content(content) %}{%- if content is string %}{{- content }}"
+    "{%- elif content is not none %}{%- for part in content %}"
+    "{%- if part.type == 'image' or 'image' in part or 'image_url' in part %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in part %}{{- part.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
+)
+
+_CHAT_TEMPLATE = _RENDER_CONTENT + (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
@@ -59,11 +70,8 @@ _CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message.role == 'system' %}{%- if not (tools and loop.first) %}"
     "{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif message.role == 'user' %}{{- '<|im_start|>user\\n' }}"
-    "{%- if message.content is string %}{{- message.content }}{%- else %}"
-    "{%- for part in message.content %}{%- if part.type == 'text' %}{{- part.text }}"
-    "{%- else %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif %}{%- endfor %}"
-    "{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'user' %}"
+    "{{- '<|im_start|>user\\n' + render_content(message.content) + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if message.reasoning_content %}"
     "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
@@ -79,7 +87,7 @@ _CHAT_TEMPLATE = (
     "{%- elif message.role == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
     "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{{- '\\n<tool_response>\\n' + render_content(message.content) + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
     "{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endif %}{%- endfor %}"
