@@ -150,6 +150,35 @@ def test_sampled_output_follows_the_target_law(pair: tuple[Any, Any, Any]) -> No
     assert total_variation(counts, exact, n) < tv_tolerance(len(exact), n, factor=2.0)
 
 
+def test_rows_drafted_together_equal_each_alone(tmp_path: Path) -> None:
+    """One head pass per step for rows of different contexts and widths (their K/V read as one
+    padded batch): each row's drafts and log q as its own passes give them, caches unchanged."""
+    from dflash_server.drafters.protocol import DraftRow
+
+    path = build_target(tmp_path / "t", arch="qwen3_5", mtp=True)
+    model, _ = mlx_lm.load(str(path))
+    head = load_mtp(path, model)
+    params = SamplingParams(temperature=0.8)
+
+    def rows() -> list[DraftRow]:
+        out = []
+        for i, (context, width) in enumerate([(5, 6), (17, 3), (1, 5), (9, 2)]):
+            cache = head.make_cache()
+            taps = mx.random.normal((1, context, 64), key=mx.random.key(i))
+            tokens = mx.random.randint(0, 200, (context,), key=mx.random.key(10 + i))
+            head.append_context(taps, cache, tokens)
+            block = mx.array([[7 + i] + [0] * (width - 1)])
+            out.append(DraftRow(block, cache, TokenSampler(params, i)))
+        return out
+
+    together, apart = rows(), rows()
+    got = head.propose(together)
+    want = [head.propose([row])[0] for row in apart]
+    for (d1, q1), (d2, q2), a, b in zip(got, want, together, apart):
+        assert d1.tolist() == d2.tolist() and mx.allclose(q1, q2, atol=1e-4).item()
+        assert [c.offset for c in a.cache] == [c.offset for c in b.cache]
+
+
 def test_quantized_export_is_exact(tmp_path: Path) -> None:
     """A 6-bit target whose checkpoint carries a 6-bit head: ``--draft mtp`` loads it packed."""
     path = build_target(tmp_path / "q6", arch="qwen3_5", quantize_bits=6, mtp=True)

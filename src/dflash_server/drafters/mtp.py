@@ -30,6 +30,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from dflash_server.drafters.protocol import ContextLayer, Drafted, DraftRow, Family
+from dflash_server.drafters.stepwise import Walk, batch_of
 from dflash_server.models.loading import load_arrays, load_checkpoint, resolve_model_path
 from dflash_server.models.target_parts import find_target_parts, float_bytes
 
@@ -182,30 +183,29 @@ class MTPDrafter(nn.Module):
         pending.offset += target_hidden.shape[1]
 
     def propose(self, rows: Sequence[DraftRow]) -> list[Drafted]:
-        """Each row's ``width - 1`` drafts after its anchor (``block[0, 0]``), one MTP pass
-        each, and the log q of each (None when greedy); row by row."""
-        return [self._propose(row) for row in rows]
-
-    def _propose(self, row: DraftRow) -> Drafted:
+        """Each row's ``width - 1`` drafts after its anchor (``block[0, 0]``) and the log q of
+        each (None when greedy): one head pass per draft step for all rows, each row's own K/V
+        read as one padded batch (``stepwise.py``); a lone row reads its own cache."""
         embed, _, lm_head = self.borrowed()
-        pending, layers = row.cache[-1], row.cache[:-1]
-        if pending.hidden is None:
+        if any(row.cache[-1].hidden is None for row in rows):
             raise RuntimeError("the MTP head has no context (its prefill fed none)")
-        k = row.width - 1
+        if len(rows) == 1:
+            layers = rows[0].cache[:-1]
+        else:
+            layers = [batch_of([row.cache[i] for row in rows]) for i in range(len(self.layers))]
+        walk = Walk(rows)
         # Every pass here adds K/V that is dropped below: the anchor's own entry joins the
-        # context with the next append_context, so drafting never changes the cache.
-        out = self._layers(embed(row.block[:, :1]), pending.hidden, layers)
-        drafts, log_qs = [], []
-        for j in range(k):
-            draft, log_q = row.sampler.propose(lm_head(out)[0], row.history)
-            drafts.append(draft)
-            log_qs.append(log_q)
-            if j < k - 1:
-                out = self._layers(embed(draft[None]), out, layers)
-        for c in layers:
-            c.trim(k)
-        sampled = [q for q in log_qs if q is not None]
-        return mx.concatenate(drafts), mx.concatenate(sampled) if sampled else None
+        # context with the next append_context, so drafting never changes a row's cache.
+        hidden = mx.concatenate([row.cache[-1].hidden for row in rows])
+        out = self._layers(embed(walk.last[:, None]), hidden, layers)
+        for j in range(walk.steps):
+            walk.draw(lm_head(out)[:, 0])
+            if j < walk.steps - 1:
+                out = self._layers(embed(walk.last[:, None]), out, layers)
+        if len(rows) == 1:
+            for c in layers:
+                c.trim(walk.steps)
+        return walk.drafted()
 
     def _layers(self, emb: mx.array, hidden: mx.array, caches: list[Any]) -> mx.array:
         """The head over positions whose token embeddings and hidden states are given

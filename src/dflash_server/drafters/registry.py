@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from dflash_server.drafters import dflash, dflash2, mtp
+from dflash_server.drafters import dflash, dflash2, dspark, mtp
 from dflash_server.drafters.dflash import DFlashDraftModel
 from dflash_server.drafters.protocol import Drafter, Family
 from dflash_server.drafters.window import DEFAULT_WINDOW
@@ -22,7 +22,14 @@ from dflash_server.models.loading import resolve_model_path
 
 __all__ = ["DEFAULT_WINDOW", "FAMILIES", "family_of", "load_draft", "load_drafter", "register"]
 
-FAMILIES: list[Family] = [dflash.FAMILY, dflash2.FAMILY, dflash.ASSISTANT, mtp.FAMILY]
+# DSpark first: its checkpoints may also be named like DFlash ones (a Markov head says which).
+FAMILIES: list[Family] = [
+    dspark.FAMILY,
+    dflash.FAMILY,
+    dflash2.FAMILY,
+    dflash.ASSISTANT,
+    mtp.FAMILY,
+]
 MTP = "MTP"  # the family that reads a target checkpoint's own head (``--draft mtp``)
 
 

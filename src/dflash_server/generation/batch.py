@@ -271,10 +271,12 @@ class BatchDecoder:
         assert self.cache is not None
         start = time.perf_counter()
         choices = self._choices(rows) if plan is None else [plan[row] for row in rows]
-        width = max(c.size for c in choices)
         with mx.stream(generation_stream):
             histories = [row.history() for row in rows]
             drafts = _drafts(rows, choices, histories)
+            # A drafter may cut a block short (DSpark's confidence head): verify what it drafted.
+            choices = [c.narrow(_size(d)) for c, (d, _) in zip(choices, drafts)]
+            width = max(c.size for c in choices)
             inputs = []
             for row, (proposal, _) in zip(rows, drafts):
                 tokens = row.last if proposal is None else mx.concatenate([row.last, proposal])
@@ -351,5 +353,10 @@ def _drafts(
     for mine in drafting.values():
         draft = cast(Drafter, rows[mine[0][0]].draft)
         for (i, _), (drafts, log_q) in zip(mine, draft.propose([d for _, d in mine])):
-            out[i] = (drafts.astype(mx.int32), log_q)
+            out[i] = (drafts.astype(mx.int32), log_q) if drafts.shape[0] else (None, None)
     return out
+
+
+def _size(drafts: mx.array | None) -> int:
+    """The positions a row verifies: its anchor and its drafts."""
+    return 1 if drafts is None else drafts.shape[0] + 1

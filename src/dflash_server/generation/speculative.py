@@ -113,6 +113,9 @@ class SpeculativeDecoder:
                     # runs (on Metal; on CPU async_eval returns once little work is queued).
                     mx.async_eval(drafts, *([] if log_q is None else [log_q]))
                 self._timed("draft", drafts)
+                choice = choice.narrow(drafts.shape[0] + 1)  # a drafter may cut its block short
+                if choice.size == 1:
+                    drafts = log_q = None
             elif choice.source == SUFFIX:  # a copy: known on the host, no drafter pass
                 drafts = mx.array(choice.tokens, dtype=mx.int32)
             self._apply_rollback()
