@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,12 +192,16 @@ def test_mlx_launch_over_several_macs(capsys: pytest.CaptureFixture[str]) -> Non
     with the same settings on every Mac."""
     argv, notes = run(capsys, "mlx", "--hosts", "10.0.0.1,10.0.0.2", "--config", "qwen3.5-9b",
                       "--host", "0.0.0.0", "--port", "9000")  # fmt: skip
-    assert argv == ["mlx.launch", "--hosts", "10.0.0.1,10.0.0.2", "--backend", "ring", "--",
-                    "dflash-serve", "--config", "qwen3.5-9b", "--host", "0.0.0.0", "--port",
-                    "9000"]  # fmt: skip
-    assert "rank 0" in notes
+    # Both commands by their full path beside this Python: ssh's PATH has no .venv on it.
+    launcher, serve = Path(sys.executable).parent / "mlx.launch", argv[argv.index("--") + 1]
+    assert argv[0] == (str(launcher) if launcher.is_file() else "mlx.launch")
+    assert Path(serve).name == "dflash-serve" and (Path(serve).is_file() or serve == "dflash-serve")
+    assert argv[1:] == ["--hosts", "10.0.0.1,10.0.0.2", "--backend", "ring", "--", serve,
+                        "--config", "qwen3.5-9b", "--host", "0.0.0.0", "--port",
+                        "9000"]  # fmt: skip
+    assert "rank 0" in notes and "ready: serving" in notes
     argv, notes = run(capsys, "mlx", "--hostfile", "hosts.json", "--backend", "jaccl")
-    assert argv[:5] == ["mlx.launch", "--hostfile", "hosts.json", "--backend", "jaccl"]
+    assert argv[1:5] == ["--hostfile", "hosts.json", "--backend", "jaccl"]
     assert "only clients on the first Mac reach it" in notes  # the default --host 127.0.0.1
 
 

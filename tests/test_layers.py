@@ -20,6 +20,7 @@ LAYERS = [
     "generation",
     "chat",
     "engine",
+    "cli_parser",
     "config_files",
     "settings",
     "api",

@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import errno
-import logging
 import os
-import socket
 import sys
-from collections.abc import Sequence
-from types import UnionType
-from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
-from pydantic import ValidationError
-from pydantic.fields import FieldInfo
+# Everything else is imported where a command needs it: --version and every --help answer at
+# once, and Ctrl-C finds main() running from the first moment it can.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
+    from typing import Any
 
-from dflash_server.config_files import DEFAULT_PRESET, SettingsError, list_presets
-from dflash_server.engine.distributed import world
-from dflash_server.engine.loader import (
-    TARGET_PATTERNS,
-    ModelLoadError,
-    resolve_draft,
-    resolve_model,
-)
-from dflash_server.settings import Settings
+    from pydantic.fields import FieldInfo
 
-log = logging.getLogger("dflash_server")
+    from dflash_server.settings import Settings
+
+INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 
 
 # Help sections: each starts at the named field and runs until the next (Settings' order).
@@ -43,9 +34,17 @@ SUBCOMMANDS = {
     "bench": ("dflash_server.tools.bench", "plain vs DFlash (fixed, auto) on this machine"),
 }
 
+# The subcommands whose modules import MLX at their top keep their flags in a light module.
+LIGHT_PARSERS = {
+    "convert": "dflash_server.tools.convert_args",
+    "train": "dflash_server.tools.train_args",
+}
+
 
 def settings_fields() -> list[tuple[str, FieldInfo]]:
     """Settings' fields in help order: its own sections, the sampling defaults last."""
+    from dflash_server.settings import Settings
+
     own = [n for n in Settings.__annotations__ if n in Settings.model_fields]
     rest = [n for n in Settings.model_fields if n not in own]
     return [(n, Settings.model_fields[n]) for n in own + rest]
@@ -64,11 +63,17 @@ def _default(info: FieldInfo) -> str | None:
 
 def _add_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> None:
     """One flag from one field: its type, choices and help, all read from the field."""
+    import argparse
+    from types import UnionType
+    from typing import Literal, Union, get_args, get_origin
+
     kind = info.annotation
     optional = get_origin(kind) in (Union, UnionType)
     args = [a for a in get_args(kind) if a is not type(None)] if optional else [kind]
     help_text = info.description or name.replace("_", " ")
     if name == "config":
+        from dflash_server.config_files import list_presets
+
         help_text += f" ({', '.join(list_presets())})"
     if (default := _default(info)) is not None:
         help_text += f" (default: {default})"
@@ -86,6 +91,8 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, info: FieldInfo) -> Non
 
 
 def _number_or(words: list[str]) -> Any:
+    import argparse
+
     def parse(text: str) -> int | str:
         if text in words:
             return text
@@ -99,13 +106,6 @@ def _number_or(words: list[str]) -> Any:
     return parse
 
 
-class _Parser(argparse.ArgumentParser):
-    """A mistyped flag is a short error, not the usage line of every flag."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def _subcommands() -> str:
     tools = "\n".join(f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items())
     return f"subcommands (dflash-serve NAME --help):\n{tools}"
@@ -114,7 +114,12 @@ def _subcommands() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Flags generated from Settings; every one defaults to None (= not given) so lower
     settings layers can fill it."""
-    p = _Parser(
+    import argparse
+
+    from dflash_server.cli_parser import Parser
+    from dflash_server.config_files import DEFAULT_PRESET
+
+    p = Parser(
         prog="dflash-serve",
         description="OpenAI-compatible server for DFlash speculative decoding on MLX. "
         "Flags override DFLASH_* environment variables, which override --config; with no model "
@@ -146,6 +151,11 @@ def markdown_table() -> str:
 
 def load_settings(argv: Sequence[str] | None = None) -> Settings:
     """Parse flags and merge the settings layers; raise SettingsError with one clear line."""
+    from pydantic import ValidationError
+
+    from dflash_server.config_files import SettingsError
+    from dflash_server.settings import Settings
+
     args = vars(build_parser().parse_args(argv))
     try:
         return Settings.load(**args)
@@ -171,6 +181,9 @@ def _source(field: str, args: dict[str, Any]) -> str:
 def listen_error(host: str, port: int) -> str | None:
     """Why the server could not listen on ``host:port`` (found by binding it now, before minutes
     of loading), or None."""
+    import errno
+    import socket
+
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -207,26 +220,63 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``dflash-serve``; returns the process exit code."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in SUBCOMMANDS:  # dispatched before the server's flags are parsed
-        import importlib
+    """Entry point of ``dflash-serve``; returns the process exit code. Ctrl-C while importing,
+    reading settings or downloading ends it with 130 and one line (the server's own run
+    handles it from there: ``serve/server.py``)."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("dflash-serve: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
 
-        return importlib.import_module(SUBCOMMANDS[args[0]][0]).main(args[1:])
+
+def _main(args: list[str]) -> int:
+    if args and args[0] in SUBCOMMANDS:  # dispatched before the server's flags are parsed
+        return _subcommand(args[0], args[1:])
     if args and not args[0].startswith("-"):  # the server takes no positional arguments
-        close = difflib.get_close_matches(args[0], SUBCOMMANDS, n=1)
-        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        from dflash_server.cli_parser import did_you_mean
+
+        guess = did_you_mean(args[0], SUBCOMMANDS)
         print(f"dflash-serve: error: no subcommand {args[0]!r}{guess}", file=sys.stderr)
         print(_subcommands(), file=sys.stderr)
         return 2
     if "--version" in args:
         print(f"dflash-serve {_version()}")
         return 0
+    from dflash_server.config_files import SettingsError
+
     try:
         settings = load_settings(args)
     except SettingsError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 2
+    return _start(settings)
+
+
+def _subcommand(name: str, argv: list[str]) -> int:
+    """Run a subcommand; its flags parsed first from a module that imports nothing heavy when
+    the command's own imports take seconds (--help and a mistyped flag answer at once)."""
+    from importlib import import_module
+
+    if (flags := LIGHT_PARSERS.get(name)) is not None:
+        import_module(flags).build_parser().parse_args(argv)
+    return int(import_module(SUBCOMMANDS[name][0]).main(argv))
+
+
+def _start(settings: Settings) -> int:
+    """Check what can be checked before loading (the port, the models' files, the flags against
+    the target's config), then serve (rank 0) or follow rank 0."""
+    import logging
+
+    from dflash_server.engine.distributed import world
+    from dflash_server.engine.loader import (
+        TARGET_PATTERNS,
+        ModelLoadError,
+        resolve_draft,
+        resolve_model,
+    )
+    from dflash_server.serve.preflight import refusal
+
     group = world()  # launched by mlx.launch over several processes: rank 0 serves HTTP
     rank = 0 if group is None else group.rank()
     if rank == 0 and (problem := listen_error(settings.host, settings.port)) is not None:
@@ -244,6 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelLoadError as exc:
         print(f"dflash-serve: error: {exc}", file=sys.stderr)
         return 1
+    if (problem := refusal(settings, target_path)) is not None:
+        print(f"dflash-serve: error: {problem}", file=sys.stderr)
+        return 2
     if group is not None:
         from dflash_server.serve import ranks
 

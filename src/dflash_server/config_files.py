@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
+from dflash_server.cli_parser import did_you_mean
+
 try:  # Python 3.11+
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
@@ -72,9 +74,10 @@ class ConfigFileSource(PydanticBaseSettingsSource):
         self._data: dict[str, Any] = {}
         for name in paths:
             data = read_config_file(find_config(name))
-            unknown = sorted(set(data) - set(settings_cls.model_fields) - {"config"})
-            if unknown:
-                raise SettingsError(f"unknown setting(s) in config {name}: {', '.join(unknown)}")
+            known = {*settings_cls.model_fields, "config"}
+            if unknown := sorted(set(data) - known):
+                names = ", ".join(f"{key!r}{did_you_mean(key, known)}" for key in unknown)
+                raise SettingsError(f"unknown setting(s) in config {name}: {names}")
             self._data.update(data)
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:

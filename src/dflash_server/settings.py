@@ -7,6 +7,7 @@ defaults. When no layer names a model at all, the default preset supplies target
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from contextvars import ContextVar
 from pathlib import Path
@@ -34,7 +35,7 @@ from dflash_server.generation.kv_quant import (
     QUANTIZED_KV_START,
     KVQuant,
 )
-from dflash_server.generation.sampling import SERVED_FIELDS, SamplingParams
+from dflash_server.generation.sampling_params import SERVED_FIELDS, SamplingParams
 
 # Set by Settings.load() when no layer names a model: the default preset then sits beneath
 # the user's config file inside the config-file layer.
@@ -146,6 +147,11 @@ class Settings(BaseSettings, _SamplingDefaults):
     allow_remote_images: bool = Field(
         False, description="fetch http(s) image URLs (off: images must be sent as data URLs)"
     )
+    allowed_image_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="image URL hosts fetched even at a loopback, private, link-local or "
+        "metadata address: names, addresses or networks (10.0.0.0/8), comma separated",
+    )
 
     # Engine
     max_queue: int = Field(
@@ -249,13 +255,25 @@ class Settings(BaseSettings, _SamplingDefaults):
     )
     # ... and every field of SamplingParams in SERVED_FIELDS, from _SamplingDefaults
 
-    @field_validator("allowed_origins", mode="before")
+    @field_validator("allowed_origins", "allowed_image_hosts", mode="before")
     @classmethod
-    def _split_origins(cls, value: Any) -> Any:
+    def _split_list(cls, value: Any) -> Any:
         # Env vars and flags give one comma-separated string; config files give a list.
         if isinstance(value, str):
             return [o.strip() for o in value.split(",") if o.strip()]
         return value
+
+    @field_validator("allowed_image_hosts")
+    @classmethod
+    def _check_image_hosts(cls, hosts: list[str]) -> list[str]:
+        # A typo'd network would allow nothing, silently: refused at start-up instead.
+        for host in hosts:
+            if "/" in host:
+                try:
+                    ipaddress.ip_network(host.strip("[]"), strict=False)
+                except ValueError:
+                    raise ValueError(f"{host!r} is not a network (like 10.0.0.0/8)") from None
+        return hosts
 
     @field_validator("kv_bits")
     @classmethod

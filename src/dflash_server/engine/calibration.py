@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import mlx.core as mx
 
 from dflash_server.engine.blas import openblas_loaded
+from dflash_server.engine.phases import phase
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -102,6 +103,15 @@ def _code_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def measured(kind: str, measure: Callable[[], T], kept: bool) -> T:
+    """``measure()``, announced first (it takes seconds, minutes on a big model) and timed."""
+    name = {"batch": "batched pass"}.get(kind, kind)
+    later = "kept for later starts" if kept else "--calibration-cache off: at every start"
+    log.info("measuring the %s costs of this pair on this machine (%s) ...", name, later)
+    with phase(f"{name} costs measured"):
+        return measure()
+
+
 class CalibrationCache:
     """The measured costs of one model pair (``fingerprint``) on this machine, as JSON files in
     ``folder``; ``folder=None``: off (always measure, never write)."""
@@ -115,7 +125,7 @@ class CalibrationCache:
         result, then stored for the next start."""
         value = self.cached(kind, cls, **params)
         if value is None:
-            value = measure()
+            value = measured(kind, measure, self.folder is not None)
             self.keep(kind, value, **params)
         return value
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from dflash_server.engine.calibration import CalibrationCache, T
+from dflash_server.engine.calibration import CalibrationCache, T, measured
 
 log = logging.getLogger("dflash_server")
 
@@ -177,7 +177,7 @@ class AgreedCalibration(CalibrationCache):
         value = self.cached(kind, cls, **params)
         if everyone(self.group, value is not None) and value is not None:
             return value
-        value = measure()
+        value = measured(kind, measure, self.folder is not None)
         self.keep(kind, value, **params)
         return value
 

@@ -18,6 +18,7 @@ from dflash_server.drafters.registry import DEFAULT_WINDOW, load_drafter
 from dflash_server.drafters.suffix import SharedSuffixIndex
 from dflash_server.engine.calibration import CalibrationCache
 from dflash_server.engine.distributed import AgreedCalibration
+from dflash_server.engine.phases import announce_kernels, phase
 from dflash_server.engine.summary import ModelSummary, ServedModel, summarize
 from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.kv_quant import KVQuant
@@ -138,8 +139,10 @@ def load_models(
     """
     target_label, draft_label = target_label or target, draft_label or draft
     target_path = resolve_model(target, "target", TARGET_PATTERNS)
+    announce_kernels()
     try:
-        model, tokenizer = load(str(target_path), group)
+        with phase("target weights loaded"):
+            model, tokenizer = load(str(target_path), group)
     except Exception as exc:  # mlx-lm raises many types; the user needs the first line
         how = f" sharded over {group.size()} ranks" if group is not None else ""
         raise ModelLoadError(
@@ -148,7 +151,8 @@ def load_models(
     tower = None
     if vision:
         try:
-            tower = load_vision(target_path)
+            with phase("vision tower loaded"):
+                tower = load_vision(target_path)
         except Exception as exc:
             raise ModelLoadError(
                 f"cannot load the vision tower of {target_label!r}: {_first_line(exc)} "
@@ -159,13 +163,14 @@ def load_models(
     if draft is not None:
         draft_path = target_path if draft == MTP else resolve_model(draft, "draft", DRAFT_PATTERNS)
         try:
-            drafter = load_drafter(
-                draft_path,
-                model,
-                window=draft_window,
-                fallback_window=DEFAULT_WINDOW,
-                family=registry.MTP if draft == MTP else None,
-            )
+            with phase("drafter loaded"):
+                drafter = load_drafter(
+                    draft_path,
+                    model,
+                    window=draft_window,
+                    fallback_window=DEFAULT_WINDOW,
+                    family=registry.MTP if draft == MTP else None,
+                )
         except Exception as exc:
             raise ModelLoadError(f"cannot use drafter {draft_label!r}: {_first_line(exc)}") from exc
     fingerprint = _fingerprint(target_path, draft_path, group)
@@ -173,19 +178,20 @@ def load_models(
     if group is not None:  # the ranks measure together: fixed counts, all cached or none
         calibration = AgreedCalibration(group, calibration_cache, fingerprint)
     try:  # install the target's hooks now: their self-check fails here, not mid-request
-        pair = ModelPair.build(
-            model,
-            tokenizer,
-            drafter,
-            vision=tower,
-            lockstep=group is not None,
-            store=lambda measure, widest: calibration.fetch(
-                "cycle", CostModel, measure, widest=widest
-            ),
-            suffix_index=None
-            if suffix_cache_bytes is None
-            else SharedSuffixIndex(suffix_cache_bytes),
-        )
+        with phase("target hooks installed and checked"):
+            pair = ModelPair.build(
+                model,
+                tokenizer,
+                drafter,
+                vision=tower,
+                lockstep=group is not None,
+                store=lambda measure, widest: calibration.fetch(
+                    "cycle", CostModel, measure, widest=widest
+                ),
+                suffix_index=None
+                if suffix_cache_bytes is None
+                else SharedSuffixIndex(suffix_cache_bytes),
+            )
     except HookError as exc:
         raise ModelLoadError(f"cannot use target {target_label!r}: {exc}") from exc
     costs = None

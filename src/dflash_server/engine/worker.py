@@ -112,7 +112,7 @@ class Engine:
         self._ready = threading.Event()
         self._mean_job_s = 5.0  # running estimate for Retry-After
         self._token_texts: TokenTexts | None = None  # token names for logprobs, cached
-        self._thread = threading.Thread(target=self._main, name="dflash-engine", daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name="dflash-engine", daemon=True)
 
     # ----- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
@@ -240,6 +240,12 @@ class Engine:
                 self._pending.remove(job)
 
     # ----- worker thread ---------------------------------------------------------------------
+    def _thread_main(self) -> None:
+        try:
+            self._main()
+        finally:  # the thread's MLX state holds Python objects: freed now, not as the interpreter
+            mx.clear_streams()  # exits (docs/development.md, "MLX on other threads")
+
     def _main(self) -> None:
         try:
             self.models = self._loader()

@@ -11,15 +11,14 @@ start and quantized ones (its own new keys included) from the forward after it r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.nn as nn
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.models.cache import KVCache
+if TYPE_CHECKING:  # imported where used: the settings (and --help) load without mlx-lm
+    import mlx.nn as nn
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize accepts for affine quantization
 KV_GROUP_SIZES = (32, 64, 128)
-QUANTIZED_KV_START = DEFAULT_QUANTIZED_KV_START  # mlx-lm's default (tokens)
+QUANTIZED_KV_START = 5000  # mlx-lm's DEFAULT_QUANTIZED_KV_START (tokens; a test keeps them equal)
 
 
 @dataclass(frozen=True)
@@ -49,19 +48,38 @@ class KVQuant:
 
     def quantize(self, cache: list[Any]) -> None:
         """Convert, in place in the list, each ``KVCache`` holding ``start`` tokens or more."""
+        from mlx_lm.models.cache import KVCache
+
         for i, c in enumerate(cache):
             if type(c) is KVCache and self.due(c.offset):
                 cache[i] = c.to_quantized(group_size=self.group_size, bits=self.bits)
 
     def check_model(self, model: nn.Module) -> None:
         """Raise a ValueError when a head size does not split into groups."""
-        dim = head_dim(model)
+        self.check_head_size(head_dim(model))
+
+    def check_head_size(self, dim: int) -> None:
+        """Raise a ValueError naming the flag and the group sizes that fit ``dim``."""
         if dim % self.group_size:
+            fits = [str(g) for g in KV_GROUP_SIZES if dim % g == 0]
+            fix = (
+                f"pass --kv-group-size {' or '.join(fits)}"
+                if fits
+                else f"no group size ({', '.join(map(str, KV_GROUP_SIZES))}) does: leave out "
+                "--kv-bits"
+            )
             raise ValueError(
                 f"--kv-group-size {self.group_size} does not divide the model's attention "
-                f"head size {dim}: pass a group size that does "
-                f"({', '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'none'})"
+                f"head size {dim} (--kv-bits quantizes each head in groups): {fix}"
             )
+
+    def describe(self) -> str:
+        """The start-up line: what changes the numbers, and from which token."""
+        return (
+            f"KV cache: attention K/V quantized to {self.bits} bits in groups of "
+            f"{self.group_size}, from a request's token {self.start} on (--kv-bits, "
+            "--kv-group-size, --quantized-kv-start)"
+        )
 
 
 def check_kv_bits(bits: int, group_size: int, start: int = 0) -> None:
@@ -75,6 +93,18 @@ def check_kv_bits(bits: int, group_size: int, start: int = 0) -> None:
         )
     if start < 0:
         raise ValueError(f"--quantized-kv-start must be 0 or more, got {start}")
+
+
+def config_head_dim(config: dict[str, Any]) -> int | None:
+    """The attention head size from a ``config.json`` (its ``text_config`` for a
+    vision-language checkpoint): ``head_dim``, else hidden size / heads; None if it says neither."""
+    text = config.get("text_config") or config
+    if isinstance(dim := text.get("head_dim"), int) and dim > 0:
+        return dim
+    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
 
 
 def head_dim(model: nn.Module) -> int:

@@ -14,7 +14,7 @@ from dflash_server.engine.loader import LoadedModels, load_models
 from dflash_server.engine.lockstep import Leader
 from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
-from dflash_server.engine.summary import describe
+from dflash_server.engine.summary import ModelSummary, describe
 from dflash_server.engine.worker import Engine, LoaderFn, StreamsFn
 from dflash_server.settings import Settings
 
@@ -56,12 +56,10 @@ def build_loader(
                 settings.max_image_pixels,
                 remote,
             )
-        if settings.context_length and settings.context_length > models.summary.context_length:
-            log.warning(
-                "--context-length %d is above the model's limit: capped to %d",
-                settings.context_length,
-                models.summary.context_length,
-            )
+        for line in capped_settings(settings, models.summary):
+            log.warning("%s", line)
+        if settings.kv_quant is not None:
+            log.info("%s", settings.kv_quant.describe())
         if prefix_cache is None:
             log.info("prefix cache: off")
         else:
@@ -78,6 +76,25 @@ def build_loader(
         return models
 
     return loader
+
+
+def capped_settings(settings: Settings, summary: ModelSummary) -> list[str]:
+    """A line for each setting the loaded models cannot honour as given, and what runs
+    instead: it changes the numbers, so it is never silent."""
+    lines = []
+    asked, trained = settings.block_size, summary.block_size
+    if isinstance(asked, int) and trained is not None and not 2 <= asked <= trained:
+        runs = max(2, min(asked, trained))
+        lines.append(
+            f"--block-size {asked} is outside the drafter's 2..{trained} (its trained block): "
+            f"runs as {runs}"
+        )
+    if settings.context_length and settings.context_length > summary.context_length:
+        lines.append(
+            f"--context-length {settings.context_length} is above the model's limit: capped to "
+            f"{summary.context_length}"
+        )
+    return lines
 
 
 def prefix_cache_of(settings: Settings) -> PrefixCache | None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -44,11 +46,22 @@ def _uvicorn_log_config(level: str) -> dict[str, Any]:
     return config
 
 
+class _Server(GracefulServer):
+    """Remembers the first signal, so that Ctrl-C exits 130 as a shell expects (SIGTERM, a
+    service manager's stop, exits 0) after the same graceful shutdown."""
+
+    first_signal: int | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.first_signal = self.first_signal or sig
+        super().handle_exit(sig, frame)
+
+
 def serve(settings: Settings, target_path: str, draft_path: str | None, group: Any = None) -> int:
     """Run uvicorn until shutdown; the engine loads the models on its worker meanwhile (rank 0
     of ``group``, when the target is sharded over several machines)."""
     failure: list[str] = []
-    server: GracefulServer | None = None
+    server: _Server | None = None
 
     def on_fatal(message: str) -> None:
         failure.append(message)
@@ -75,7 +88,7 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
         log_level=settings.log_level,
         **server_options(settings),
     )
-    server = GracefulServer(config, engine, settings.shutdown_timeout)
+    server = _Server(config, engine, settings.shutdown_timeout)
     sharded = "" if group is None else f", the target sharded over {group.size()} ranks"
     log.info("loading %s + %s%s", settings.target, settings.drafter or "no drafter", sharded)
     # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
@@ -84,7 +97,7 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
     if engine.loading:
         # Stopped while loading: the worker is inside MLX and cannot be interrupted, and
         # finalizing the interpreter under it aborts in C++; so the process ends here, at once.
-        log.info("stopped while loading the models")
+        print("dflash-serve: stopped while loading the models", file=sys.stderr, flush=True)
         logging.shutdown()
         os._exit(130)
     if failure:
@@ -93,4 +106,7 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
             logging.shutdown()
             os._exit(1)
         return 1
+    if server.first_signal == signal.SIGINT:
+        print("dflash-serve: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
     return 0

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_server.cli_parser import Parser
+from dflash_server.tools.bench_noise import ratio_cell, verdict
+
 PROMPTS = {
     "code": "Write a Python function that parses an ISO 8601 date string into a datetime "
     "without using dateutil, with type hints, a docstring and doctests.",
@@ -36,7 +39,7 @@ DEFAULT_MODES = "plain,16,auto"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dflash-serve bench",
         description="Plain decoding vs DFlash (fixed and auto block sizes) on this machine, on "
         "built-in prompts (code, math, chat) or your own.",
@@ -53,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MODES,
         help="comma separated: plain, auto, or block sizes (default: plain,16,auto)",
     )
-    p.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode (medians)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="runs per prompt and mode: medians and their range (default: 1; 3 with "
+        "--concurrency, where each run is one burst of every prompt)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--draft-window", type=int, help="as dflash-serve --draft-window")
     p.add_argument("--raw", action="store_true", help="prompts as raw text, no chat template")
@@ -204,35 +212,6 @@ def summarize(runs: dict[str, dict[str, list[Run]]], modes: list[str]) -> list[d
     return rows
 
 
-def verdict(rows: list[dict[str, Any]]) -> str:
-    """Name a block size only when it is faster than plain decoding in every paired run (the
-    spread of its ratios excludes 1); a difference inside the run's noise is called that."""
-    spec = [r for r in rows if r["mode"] != "plain" and r["speedup"] is not None]
-    if not spec:
-        return "no speculative mode measured"
-    if any(len(r["speedup_runs"]) < 2 for r in spec):
-        return "one run per mode cannot tell a difference from noise: add prompts or --repeats"
-    faster = [r for r in spec if min(r["speedup_runs"]) > 1]
-    best = max(faster or spec, key=lambda r: r["speedup"])
-    runs = best["speedup_runs"]
-    spread = f"x{min(runs):.2f} to x{max(runs):.2f} over {len(runs)} runs"
-    if faster:
-        ratio = f"x{best['speedup']:.2f} over plain decoding"
-        return f"best: block size {best['mode']}, {ratio} ({spread})"
-    seen = f"x{best['speedup']:.2f}; {spread}"
-    if all(max(r["speedup_runs"]) < 1 for r in spec):
-        return (
-            f"DFlash does not pay on this machine with these prompts (best: {best['mode']}, "
-            f"{seen}): serve with --no-speculative, or keep --block-size auto, which falls back "
-            "to plain decoding by itself"
-        )
-    return (
-        "no block size beats plain decoding in every run, so this run cannot tell them apart "
-        f"(best: {best['mode']}, {seen}): more --repeats narrow it, and --block-size auto "
-        "decodes plainly where speculation does not pay"
-    )
-
-
 def table(result: dict[str, Any]) -> str:
     head = ["mode", "tok/s", "vs plain", "tau", "TTFT s", "plain %", "draft ms", "verify ms",
             "rollback ms", "step ms", "block sizes"]  # fmt: skip
@@ -241,21 +220,12 @@ def table(result: dict[str, Any]) -> str:
         split = result["split_ms"].get(r["mode"], {})
         sizes = ", ".join(f"{b}:{n}" for b, n in r["block_sizes"].items()) or "-"
         cells = [
-            r["mode"], f"{r['tokens_per_s']:.1f}", _ratio(r), f"{r['tau']:.2f}",
+            r["mode"], f"{r['tokens_per_s']:.1f}", ratio_cell(r), f"{r['tau']:.2f}",
             f"{r['ttft_s']:.3f}", f"{100 * r['plain_share']:.0f}",
             *(str(split.get(k, "-")) for k in ("draft", "verify", "rollback", "plain")), sizes,
         ]  # fmt: skip
         lines.append(" | ".join(cells))
     return "\n".join(lines)
-
-
-def _ratio(row: dict[str, Any]) -> str:
-    """The median ratio to plain decoding, with its lowest and highest run (the noise)."""
-    if row["speedup"] is None:
-        return "-"
-    runs = row["speedup_runs"]
-    spread = f" ({min(runs):.2f}-{max(runs):.2f})" if row["mode"] != "plain" and runs else ""
-    return f"x{row['speedup']:.2f}{spread}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -273,6 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.concurrency and args.modes == DEFAULT_MODES:
         args.modes = "plain,auto"
+    if args.repeats is None:  # a burst mixes the prompts: only repeats show its noise
+        args.repeats = 3 if args.concurrency else 1
+    if args.repeats < 1:
+        raise SystemExit(f"dflash-serve bench: error: --repeats {args.repeats}: give 1 or more")
     modes = parse_modes(args.modes)
     levels = None
     if args.concurrency:

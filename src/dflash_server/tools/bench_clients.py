@@ -5,7 +5,9 @@ Runs the server's own engine (batched speculation, the queue and ``--max-active`
 N requests at once, for each N and mode (``plain``: plain batched decoding; ``auto``/a block
 size: speculation), interleaved. Reported per N and mode: total tokens/s over all clients (from
 submitting to the last token: prefills and queueing included), the median client's decode
-tokens/s, TTFT p50, the p95 gap between a client's token arrivals, and rows per batched pass.
+tokens/s, TTFT p50, the p95 gap between a client's token arrivals, and rows per batched pass:
+each the median over ``--repeats`` bursts (3 by default) with its range, and a verdict per
+client count that calls a difference inside the bursts' noise that (``bench_noise.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from dflash_server.generation.request import (
     trained_block,
 )
 from dflash_server.generation.sampling import SamplingParams
+from dflash_server.tools.bench_noise import ratio_cell, spread, verdict
+
+WARM_TOKENS = 8  # the unmeasured burst before each client count: enough to run every pass shape
+Bursts = dict[tuple[int, str], list[dict[str, Any]]]  # (clients, mode): each burst's measures
 
 
 def parse_levels(text: str) -> list[int]:
@@ -80,12 +86,14 @@ async def _burst(engine: Engine, requests: list[GenerationRequest]) -> dict[str,
     }
 
 
-def _request(models: LoadedModels, ids: list[int], mode: str, args: Any) -> GenerationRequest:
+def _request(
+    models: LoadedModels, ids: list[int], mode: str, args: Any, tokens: int
+) -> GenerationRequest:
     draft = None if mode == "plain" else models.pair.draft
     size: BlockSize | None = "auto" if mode == "auto" else int(mode) if mode.isdigit() else None
     return GenerationRequest(
         tuple(ids),
-        args.max_tokens,
+        tokens,
         SamplingParams(temperature=args.temperature),
         seed=0,
         block=block_policy(trained_block(draft), size, clamp=True),
@@ -101,7 +109,8 @@ def run_clients(
     args: Any,
     settings: Any,
 ) -> list[dict[str, Any]]:
-    """Rows per (clients, mode): medians over ``args.repeats`` bursts, modes interleaved."""
+    """Rows per (clients, mode): medians and ranges over ``args.repeats`` bursts, modes
+    interleaved, each burst after an unmeasured short one at the same load."""
     rows_seen: list[int] = []
     engine = Engine(
         lambda: models,
@@ -116,54 +125,79 @@ def run_clients(
     engine.start()
     if not engine.wait_ready():
         raise RuntimeError(f"the engine did not start: {engine.error}")
-    results: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    bursts: Bursts = {}
     try:
         for n in levels:
+            for mode in modes:  # the first passes at n rows compile and allocate: not measured
+                asyncio.run(_burst(engine, _requests(models, prompts, n, mode, args, WARM_TOKENS)))
             for _ in range(args.repeats):
                 for mode in modes:
-                    requests = [_request(models, prompts[i % len(prompts)], mode, args)
-                                for i in range(n)]  # fmt: skip
                     rows_seen.clear()
+                    requests = _requests(models, prompts, n, mode, args, args.max_tokens)
                     burst = asyncio.run(_burst(engine, requests))
                     burst["rows_per_pass"] = statistics.mean(rows_seen) if rows_seen else 0.0
-                    results.setdefault((n, mode), []).append(burst)
+                    bursts.setdefault((n, mode), []).append(burst)
     finally:
-        engine.stop()
-    out = []
-    for (n, mode), bursts in results.items():
-        row: dict[str, Any] = {"clients": n, "mode": mode, "max_active": engine.max_active}
-        for key in bursts[0]:
-            row[key] = round(statistics.median(b[key] for b in bursts), 3)
-        out.append(row)
-    for row in out:  # speculation against plain batched decoding at the same load
-        plain = next((r for r in out if r["clients"] == row["clients"] and r["mode"] == "plain"),
-                     None)  # fmt: skip
-        if plain and plain["total_tok_s"] and row is not plain:
-            row["vs_plain"] = round(row["total_tok_s"] / plain["total_tok_s"], 3)
-    return out
+        # The worker is idle once every burst ended: joined here, so that no thread of the
+        # engine outlives the bench (docs/development.md, "MLX on other threads").
+        engine.stop(timeout=60.0)
+    return [_row(n, mode, runs, bursts, engine.max_active) for (n, mode), runs in bursts.items()]
+
+
+def _requests(
+    models: LoadedModels, prompts: list[list[int]], n: int, mode: str, args: Any, tokens: int
+) -> list[GenerationRequest]:
+    return [_request(models, prompts[i % len(prompts)], mode, args, tokens) for i in range(n)]
+
+
+def _row(
+    n: int,
+    mode: str,
+    runs: list[dict[str, Any]],
+    bursts: Bursts,
+    max_active: int,
+) -> dict[str, Any]:
+    """One cell per measure: the median over repeats and its range; each burst's ratio to the
+    plain burst beside it (the noise the verdict reads)."""
+    row: dict[str, Any] = {"clients": n, "mode": mode, "max_active": max_active}
+    for key in runs[0]:
+        values = [b[key] for b in runs]
+        row[key] = round(statistics.median(values), 3)
+        row[f"{key}_range"] = [round(min(values), 3), round(max(values), 3)]
+    plain = bursts.get((n, "plain"), [])
+    paired = [b["total_tok_s"] / p["total_tok_s"] for b, p in zip(runs, plain) if p["total_tok_s"]]
+    row["speedup_runs"] = [round(x, 3) for x in paired]
+    row["speedup"] = round(statistics.median(paired), 3) if paired else None
+    if mode != "plain" and paired:
+        row["vs_plain"] = row["speedup"]
+    return row
 
 
 def clients_table(rows: list[dict[str, Any]]) -> str:
+    """Each cell the median over repeats, with its lowest and highest in brackets."""
     head = ["clients", "mode", "total tok/s", "vs plain", "per client tok/s", "TTFT p50 s",
             "gap p95 ms", "rows/pass"]  # fmt: skip
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
     for r in rows:
-        vs = r.get("vs_plain")
-        cells = [str(r["clients"]), r["mode"], f"{r['total_tok_s']:.1f}",
-                 "-" if vs is None else f"x{vs:.2f}", f"{r['client_tok_s']:.1f}",
-                 f"{r['ttft_p50_s']:.3f}", f"{r['gap_p95_ms']:.0f}",
-                 f"{r['rows_per_pass']:.1f}"]  # fmt: skip
+        vs = "-" if r["mode"] == "plain" else ratio_cell(r)
+        cells = [str(r["clients"]), r["mode"], _cell(r, "total_tok_s", 1), vs,
+                 _cell(r, "client_tok_s", 1), _cell(r, "ttft_p50_s", 3),
+                 _cell(r, "gap_p95_ms", 0), _cell(r, "rows_per_pass", 1)]  # fmt: skip
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
 
+def _cell(row: dict[str, Any], key: str, digits: int) -> str:
+    low, high = row[f"{key}_range"]
+    return spread(row[key], low, high, digits)
+
+
 def clients_verdict(rows: list[dict[str, Any]]) -> str:
-    """Per client count, the best mode and what it gives over plain batched decoding."""
-    parts = []
+    """Per client count, the bench's verdict on speculation against plain batched decoding
+    at the same load (a best mode only when it beat plain in every burst)."""
+    lines = []
     for n in sorted({r["clients"] for r in rows}):
-        best = max((r for r in rows if r["clients"] == n), key=lambda r: r["total_tok_s"])
-        vs = best.get("vs_plain")
-        gain = f" (x{vs:.2f} over plain)" if vs and best["mode"] != "plain" else ""
         who = f"{n} client{'s' if n > 1 else ''}"
-        parts.append(f"{who}: {best['mode']} {best['total_tok_s']:.0f} tok/s in all{gain}")
-    return "; ".join(parts)
+        at_n = [r for r in rows if r["clients"] == n]
+        lines.append(f"{who}: {verdict(at_n, remedy='more --repeats')}")
+    return "\n".join(lines)

@@ -22,6 +22,7 @@ from mlx_lm.utils import compute_bits_per_weight, dequantize_model, quantize_mod
 
 from dflash_server.drafters.dflash import DFlashDraftModel
 from dflash_server.drafters.registry import load_draft
+from dflash_server.engine.blas import blas_hint
 from dflash_server.engine.loader import (
     DRAFT_PATTERNS,
     TARGET_PATTERNS,
@@ -37,8 +38,9 @@ from dflash_server.tools.common import (
     save_drafter,
     weights_bytes,
 )
+from dflash_server.tools.convert_args import DTYPE_NAMES, build_parser
 
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+DTYPES = {name: getattr(mx, name) for name in DTYPE_NAMES}
 SAMPLE_TEXT = (
     "Speculative decoding lets a small drafter propose several tokens that the large model then "
     "checks in a single forward pass.\n\ndef merge(a: list[int], b: list[int]) -> list[int]:\n"
@@ -130,29 +132,15 @@ def _measure(src: Path, converted: Any, target: str | Path, text: str) -> dict[s
     return {k: round(v, 5) for k, v in err.items()}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dflash-serve convert",
-        description="Quantize and/or cast a DFlash drafter (hub id or folder) into a new folder.",
-    )
-    p.add_argument("source", help="drafter: HF repo id or local folder")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--force", action="store_true", help="write into an --out that holds files")
-    p.add_argument("--q-bits", type=int, choices=[4, 5, 6, 8], help="quantize to this many bits")
-    p.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=64)
-    p.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights first")
-    p.add_argument("--target", help="target model; measures the block-logit error vs the source")
-    p.add_argument("--sample-file", help="text file for the logit-error sample (default: built-in)")
-    p.add_argument(
-        "--mtp", action="store_true",
-        help="SOURCE is a target checkpoint (or MTP folder): write its MTP head as a split "
-        "export, for a target conversion that dropped mtp.*",
-    )  # fmt: skip
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    code = run(build_parser().parse_args(argv))
+    if code == 0 and (hint := blas_hint()) is not None:  # after the report: errors stay one line
+        print(f"dflash-serve convert: warning: {hint}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dflash-serve convert`` once its flags are parsed."""
     try:
         sample = Path(args.sample_file).read_text() if args.sample_file else SAMPLE_TEXT
         if args.mtp:

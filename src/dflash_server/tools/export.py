@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dflash_server.cli_parser import Parser
 from dflash_server.config_files import SettingsError
 from dflash_server.settings import Settings
 
@@ -43,7 +44,7 @@ VLLM_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dflash-serve export",
         description="Print the vLLM or SGLang command that serves the same target, DFlash "
         "drafter and defaults on a GPU server (settings layers as for dflash-serve).",
@@ -83,7 +84,7 @@ def mlx_launch(args: argparse.Namespace, settings: Settings) -> Export:
             f"--hosts {args.hosts}: the ring backend connects to IP addresses; give them, or "
             "a hostfile (mlx.distributed_config --backend ring --over ethernet writes one)"
         )
-    launch = ["mlx.launch", *(["--hostfile", args.hostfile] if args.hostfile else [])]
+    launch = [_script("mlx.launch"), *(["--hostfile", args.hostfile] if args.hostfile else [])]
     launch += ["--hosts", args.hosts] if args.hosts else []
     launch += ["--backend", args.backend or "ring"] if args.hosts or args.backend else []
     given = {
@@ -105,8 +106,19 @@ def mlx_launch(args: argparse.Namespace, settings: Settings) -> Export:
     ]
     if settings.host in ("127.0.0.1", "localhost", "::1"):
         notes.append("only clients on the first Mac reach it: --host 0.0.0.0 exposes it")
+    notes.append(
+        "mlx.launch exits 0 even when a Mac's command failed: it worked when rank 0 logs "
+        "'ready: serving' (or GET /health says \"ready\")"
+    )
     # '--' ends mlx.launch's own flags: its --hosts would swallow dflash-serve's --host.
-    return Export("mlx", [*launch, "--", "dflash-serve", *serve], notes)
+    return Export("mlx", [*launch, "--", _script("dflash-serve"), *serve], notes)
+
+
+def _script(name: str) -> str:
+    """The full path of a command installed beside this Python (the clone's .venv/bin): each
+    Mac runs it over a non-interactive ssh, whose PATH has no virtual environment on it."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.is_file() else name
 
 
 def _is_ip(host: str) -> bool:
