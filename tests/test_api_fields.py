@@ -10,6 +10,7 @@ import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import anthropic
 import httpx
@@ -20,8 +21,10 @@ from dflash_server.api.anthropic import CountTokensRequest, MessagesRequest
 from dflash_server.api.fields import (
     CHAT_SPEC,
     COMPLETION_SPEC,
+    MAX_HEADER_CHARS,
     MESSAGES_SPEC,
     RESPONSES_SPEC,
+    header_names,
     near_miss,
 )
 from dflash_server.api.openai_responses import PASSED_ON, ResponsesRequest
@@ -29,6 +32,7 @@ from dflash_server.api.types import ChatCompletionRequest, CompletionRequest, ex
 from server_fixtures import RunningServer, ScriptedGenerate, make_app, run_server
 
 HEADER = "x-dflash-ignored-fields"
+OMITTED = "x-dflash-ignored-fields-omitted"
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -105,8 +109,14 @@ def test_sdk_fields_and_other_servers_fields_are_never_typos(protocol: str) -> N
 
 
 @pytest.fixture(scope="module")
-def served(tiny_hybrid_path: Path, draft_path: Path) -> Iterator[RunningServer]:
-    script = ScriptedGenerate(["</think>\n\n", "Hi."])
+def script() -> ScriptedGenerate:
+    return ScriptedGenerate(["</think>\n\n", "Hi."])
+
+
+@pytest.fixture(scope="module")
+def served(
+    tiny_hybrid_path: Path, draft_path: Path, script: ScriptedGenerate
+) -> Iterator[RunningServer]:
     app = make_app(tiny_hybrid_path, draft_path, generate=script, served_model_name="tiny")
     with run_server(app) as srv:
         yield srv
@@ -171,11 +181,115 @@ def test_unknown_fields_are_named_in_the_header_and_the_log(
     ],
 )
 def test_typos_are_400s_naming_the_field_meant(
-    served: RunningServer, path: str, body: dict[str, Any], field: str, meant: str
+    served: RunningServer,
+    script: ScriptedGenerate,
+    path: str,
+    body: dict[str, Any],
+    field: str,
+    meant: str,
 ) -> None:
+    calls = len(script.calls)
     r = httpx.post(served.base_url + path, json={"model": "tiny", **body})
     assert r.status_code == 400, r.text
+    assert len(script.calls) == calls  # refused before any generation ran
     error = r.json()["error"]
     assert error["message"] == f"unknown field {field!r}; did you mean {meant!r}?"
     if path != "/v1/messages":  # Anthropic's errors have no param
         assert error["param"] == field and error["code"] == "unknown_parameter"
+
+
+# ----- names a header cannot hold as they are -----------------------------------------------
+
+# Not latin-1, CR, LF, NUL, a tab, the list's own separator and escape, a space, and one name
+# longer than the whole header may be.
+ODD: dict[str, Any] = {"温度": 1, "a\rb": 1, "a\nb": 1, "a\x00b": 1, "t\tab": 1, "a,b%": 1}
+ODD |= {"sp ace": 1, "é": 1, "x" * 5000: 1}
+LISTED = [name for name in ODD if len(name) < MAX_HEADER_CHARS]
+
+
+def _well_formed(value: str) -> list[str]:
+    """The names in a header value that holds only visible ASCII (what every HTTP stack, proxy
+    and log takes), decoded as docs/api.md says: split on commas, percent-decode each."""
+    assert value.isascii() and value.isprintable() and " " not in value, value
+    return [unquote(name) for name in value.split(",")]
+
+
+def test_header_names_encode_what_a_header_cannot_hold() -> None:
+    plain = ["foo_bar", "maxTokens", "num-ctx.v2~"]  # ordinary names go in as they are
+    listed, omitted = header_names([*plain, *ODD])
+    assert listed.startswith("foo_bar,maxTokens,num-ctx.v2~,%E6%B8%A9%E5%BA%A6,a%0Db,a%0Ab,a%00b")
+    assert _well_formed(listed) == [*plain, *LISTED] and omitted == 1
+    assert header_names([""]) == ("", 0)  # the empty name: an empty item
+
+
+def test_many_names_are_bounded_and_counted() -> None:
+    names = [f"field_{i}" for i in range(5000)]
+    listed, omitted = header_names(names)
+    kept = _well_formed(listed)
+    assert len(listed) <= MAX_HEADER_CHARS and kept == names[: len(kept)]
+    assert omitted == len(names) - len(kept) > 0
+
+
+BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"messages": HI, "max_tokens": 4},
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 4},
+    "/v1/messages": {"messages": HI, "max_tokens": 4},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 4},
+}
+LAST_EVENT = {  # what a stream that ran to its end ends with
+    "/v1/chat/completions": "data: [DONE]",
+    "/v1/completions": "data: [DONE]",
+    "/v1/messages": "message_stop",
+    "/v1/responses": "response.completed",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", list(BODIES))
+def test_any_field_name_gets_a_200_and_a_well_formed_header(
+    served: RunningServer,
+    script: ScriptedGenerate,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    stream: bool,
+) -> None:
+    """Names outside latin-1 were a 500 after the whole generation, CR or LF a dropped
+    connection: each is now percent-encoded, the overlong one counted, the answer whole, and
+    the log line holds no line break a name brought."""
+    body = {"model": "tiny", **BODIES[path], "stream": stream, **ODD}
+    calls = len(script.calls)
+    with (
+        caplog.at_level(logging.INFO, logger="dflash_server"),
+        httpx.stream("POST", served.base_url + path, json=body, timeout=60) as r,
+    ):
+        text = r.read().decode()
+    assert r.status_code == 200, text
+    assert _well_formed(r.headers[HEADER]) == LISTED and r.headers[OMITTED] == "1"
+    assert len(script.calls) == calls + 1
+    assert LAST_EVENT[path] in text if stream else r.json().get("error") is None
+    logged = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert len(logged) == 1 and "(and 1 more)" in logged[0]
+    assert not any(c in logged[0] for c in "\r\n\x00温")
+
+
+def test_thousands_of_fields_and_count_tokens(served: RunningServer) -> None:
+    many = {f"field_{i}": i for i in range(3000)}
+    for path, body in [*BODIES.items(), ("/v1/messages/count_tokens", {"messages": HI})]:
+        r = httpx.post(served.base_url + path, json={"model": "tiny", **body, **many}, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        kept = _well_formed(r.headers[HEADER])
+        assert kept == list(many)[: len(kept)] and int(r.headers[OMITTED]) == 3000 - len(kept)
+    odd = {"model": "tiny", "messages": HI, **ODD}
+    r = httpx.post(served.base_url + "/v1/messages/count_tokens", json=odd)
+    assert r.status_code == 200 and _well_formed(r.headers[HEADER]) == LISTED
+
+
+def test_a_name_that_is_not_text_is_a_400(served: RunningServer) -> None:
+    """A lone surrogate (valid JSON, not UTF-8) in a key: a 400 naming it escaped."""
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "a\\ud800": 1}'
+    r = httpx.post(
+        served.base_url + "/v1/chat/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "a\\ud800" in r.json()["error"]["message"], r.text

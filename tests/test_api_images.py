@@ -226,7 +226,7 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ("too many", user(*[image_part(data_url(PICTURES[0]))] * 3), "messages.0.content",
      "--max-images"),
     ("assistant", {"role": "assistant", "content": [image_part(data_url(PICTURES[0]))]},
-     "messages.0.content", "user messages"),
+     "messages.0.content", "user and tool messages"),
     ("text/plain", user(image_part("data:text/plain;base64,aGk=")), "messages.0.content",
      "base64 image"),
 ]  # fmt: skip
@@ -336,7 +336,7 @@ def test_remote_images_when_allowed(
     tiny_vl_path: Path, vl_draft: Path, reference: Any, token_ids: Any
 ) -> None:
     app = make_app(tiny_vl_path, vl_draft, temperature=0.0, enable_thinking=False,
-                   allow_remote_images=True)  # fmt: skip
+                   allow_remote_images=True, allowed_image_hosts=["127.0.0.1"])  # fmt: skip
     with run_server(app) as srv, image_host({"/a.png": encoded(PICTURES[0])}) as host:
         answer = chat(srv, image_part(f"{host}/a.png"))
         assert token_ids(answer["choices"][0]["logprobs"]["content"]) == reference(PICTURES[:1])[0]

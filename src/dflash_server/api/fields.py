@@ -4,8 +4,9 @@ A request model declares the fields the server implements; a translating protoco
 Responses) also passes on the DFlash extensions. Any other top-level field is accepted, as
 local clients send extra fields freely (Open WebUI passes on every custom parameter a user
 sets, LangChain and LiteLLM their own) and a 400 would break them: it is named in the
-``x-dflash-ignored-fields`` response header and the log, a warning when the protocol does not
-define it (a field the protocol defines, like OpenAI's ``user`` or Codex's
+``x-dflash-ignored-fields`` response header and the log (percent-encoded where a name holds
+what a header cannot, and bounded: docs/api.md, "Unknown fields"), a warning when the protocol
+does not define it (a field the protocol defines, like OpenAI's ``user`` or Codex's
 ``prompt_cache_key``, is bookkeeping: logged at info). The exception is a near miss: an unknown
 field that is an implemented one but for case and separators (``maxTokens``), or one edit away
 from one of 7+ characters (``max_token``), is a typo whose intent would be lost, so it is a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from urllib.parse import quote
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -24,6 +26,10 @@ from pydantic import BaseModel
 from dflash_server.api.errors import APIError
 
 IGNORED_FIELDS_HEADER = "x-dflash-ignored-fields"
+OMITTED_FIELDS_HEADER = "x-dflash-ignored-fields-omitted"  # how many names did not fit
+# The names' most characters in the header: proxies refuse a response whose headers pass one
+# buffer (nginx: 4 KiB by default), and a body may hold thousands of names.
+MAX_HEADER_CHARS = 1024
 log = logging.getLogger("dflash_server")
 
 # What each protocol defines besides the fields this server implements (from the official
@@ -71,11 +77,30 @@ def ignored_fields(
             )
     if not ignored:
         return {}
-    names = ",".join(ignored)
+    listed, omitted = header_names(ignored)
     request_id = getattr(request.state, "request_id", "-")
     level, kind = (logging.WARNING, "unknown") if unknown else (logging.INFO, "unused")
-    log.log(level, "request %s: ignored %s fields: %s", request_id, kind, names)
-    return {IGNORED_FIELDS_HEADER: names}
+    more = f" (and {omitted} more)" if omitted else ""
+    log.log(level, "request %s: ignored %s fields: %s%s", request_id, kind, listed, more)
+    header = {IGNORED_FIELDS_HEADER: listed}
+    return header | ({OMITTED_FIELDS_HEADER: str(omitted)} if omitted else {})
+
+
+def header_names(names: list[str]) -> tuple[str, int]:
+    """``names`` as one header value: each percent-encoded as UTF-8 but for letters, digits and
+    ``-._~`` (so a name never brings a comma, a control character or non-latin-1 text into the
+    header or the log), comma-separated in order while within ``MAX_HEADER_CHARS``; and how
+    many names did not fit."""
+    listed: list[str] = []
+    size = omitted = 0
+    for name in names:
+        encoded = quote(name, safe="", errors="replace")  # a lone surrogate was a 400 already
+        if size + len(encoded) + bool(listed) > MAX_HEADER_CHARS:
+            omitted += 1
+            continue
+        size += len(encoded) + bool(listed)
+        listed.append(encoded)
+    return ",".join(listed), omitted
 
 
 def near_miss(name: str, fields: Iterable[str]) -> str | None:

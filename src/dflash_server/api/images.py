@@ -1,5 +1,6 @@
 """Images in requests, checked at the boundary: a data URL (or, with --allow-remote-images, an
-http(s) URL) becomes the processor's patches, or a 400 naming the field and the cause.
+http(s) URL, fetched by api/image_fetch.py) becomes the processor's patches, or a 400 naming the
+part, the cause and the server's limit.
 
 Every API's image part (chat ``image_url``, Messages ``image``, Responses ``input_image``)
 arrives here as an ``ImageRef``; decoding (PNG, JPEG, WebP, GIF's first frame) and the
@@ -10,16 +11,20 @@ from __future__ import annotations
 
 import base64
 import binascii
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from dflash_server.api.errors import APIError
-from dflash_server.models.vision import ImageInput, VisionTower, open_image
+from dflash_server.api.image_fetch import (
+    FetchFailed,
+    FetchRefused,
+    FetchTooLarge,
+    HostPolicy,
+    fetch_image,
+)
+from dflash_server.models.vision import ImageInput, ImageTooLarge, VisionTower, open_image
 from dflash_server.settings import Settings
 
 FETCH_SECONDS = 10.0  # a remote image must arrive within this
@@ -102,17 +107,34 @@ async def load_images(
 
 
 def _load(ref: ImageRef, settings: Settings, vision: VisionTower) -> ImageInput:
-    data = _bytes(ref, settings.allow_remote_images)
+    data = _bytes(ref, settings)
     cap = settings.max_image_pixels
     if ref.detail == "low":
         cap = min(cap, LOW_DETAIL_PIXELS)
     try:
         return vision.prepare(open_image(data, MAX_DECODED_PIXELS), cap)
+    except ImageTooLarge as exc:
+        raise _too_many_pixels(ref, exc, settings) from None
     except ValueError as exc:
         raise APIError(400, f"{ref.part}: {exc}", param=ref.param, code="invalid_image") from exc
 
 
-def _bytes(ref: ImageRef, remote: bool) -> bytes:
+def _too_many_pixels(ref: ImageRef, exc: ImageTooLarge, settings: Settings) -> APIError:
+    """The decoding limit as the server's own: the decoded cap, and the flag images are
+    resized to anyway."""
+    shape = f"{exc.size[0]}x{exc.size[1]} ({exc.pixels:,} pixels)" if exc.size else ""
+    found = shape or (f"{exc.pixels:,} pixels" if exc.pixels else "")
+    return APIError(
+        400,
+        f"{ref.part}: the image is {f'{found}, more' if found else 'larger'} than the "
+        f"{exc.limit:,} pixels this server decodes; scale it down (images are resized to "
+        f"--max-image-pixels, {settings.max_image_pixels:,} pixels, before the model sees them)",
+        param=ref.param,
+        code="image_too_large",
+    )
+
+
+def _bytes(ref: ImageRef, settings: Settings) -> bytes:
     """The encoded image of a data URL (base64), or fetched from an http(s) URL."""
     url, where, param = ref.url, ref.part, ref.param
     if url.startswith("data:"):
@@ -137,14 +159,16 @@ def _bytes(ref: ImageRef, remote: bool) -> bytes:
         if len(raw) > MAX_IMAGE_BYTES:
             raise _too_large(ref)
         return raw
-    if not url.startswith(("http://", "https://")):
+    if not url[:8].lower().startswith(("http://", "https://")):
+        scheme = url.partition(":")[0][:20] if ":" in url else ""
         raise APIError(
             400,
-            f"{where}: an image must be a data URL (data:image/png;base64,...) or an http(s) URL",
+            f"{where}: {f'a {scheme} URL is not an image source here; ' if scheme else ''}"
+            "an image must be a data URL (data:image/png;base64,...) or an http(s) URL",
             param=param,
             code="invalid_image",
         )
-    if not remote:
+    if not settings.allow_remote_images:
         raise APIError(
             400,
             f"{where}: this server does not fetch image URLs; send the image as a data URL "
@@ -152,37 +176,33 @@ def _bytes(ref: ImageRef, remote: bool) -> bytes:
             param=param,
             code="remote_images_disabled",
         )
-    return _fetch(ref)
+    return _fetch(ref, settings)
 
 
-def _fetch(ref: ImageRef) -> bytes:
-    """An http(s) image, within ``FETCH_SECONDS`` in all and ``MAX_IMAGE_BYTES``."""
-    deadline = time.monotonic() + FETCH_SECONDS
-    request = urllib.request.Request(ref.url, headers={"User-Agent": "dflash-server"})
-    chunks: list[bytes] = []
-    size = 0
+def _fetch(ref: ImageRef, settings: Settings) -> bytes:
+    """An http(s) image whose every hop is checked (api/image_fetch.py), within
+    ``FETCH_SECONDS`` in all and ``MAX_IMAGE_BYTES``."""
+    policy = HostPolicy.of(settings.allowed_image_hosts)
     try:
-        with urllib.request.urlopen(request, timeout=FETCH_SECONDS) as response:
-            while chunk := response.read(64 * 1024):
-                size += len(chunk)
-                if size > MAX_IMAGE_BYTES:
-                    raise _too_large(ref)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no image within {FETCH_SECONDS:g} s")
-                chunks.append(chunk)
-    except (urllib.error.URLError, OSError, ValueError) as exc:  # TimeoutError is an OSError
-        reason = getattr(exc, "reason", None) or exc
+        return fetch_image(ref.url, policy, MAX_IMAGE_BYTES, FETCH_SECONDS)
+    except FetchRefused as exc:
         raise APIError(
-            400, f"{ref.part}: could not fetch the image: {reason}", param=ref.param,
+            400, f"{ref.part}: {exc}", param=ref.param, code="image_url_refused"
+        ) from exc
+    except FetchTooLarge:
+        raise _too_large(ref) from None
+    except FetchFailed as exc:
+        raise APIError(
+            400, f"{ref.part}: could not fetch the image: {exc}", param=ref.param,
             code="invalid_image",
         ) from exc  # fmt: skip
-    return b"".join(chunks)
 
 
 def _too_large(ref: ImageRef) -> APIError:
     return APIError(
         400,
-        f"{ref.part}: the image is larger than {MAX_IMAGE_BYTES} bytes",
+        f"{ref.part}: the image is larger than {MAX_IMAGE_BYTES:,} bytes, the most this server "
+        "takes for one image",
         param=ref.param,
         code="invalid_image",
     )

@@ -20,8 +20,9 @@ MAX_SEED = 2**64 - 1
 
 
 def _first_unencodable(data: Any) -> str | None:
-    """The path of the first string that is not valid UTF-8 text (JSON allows lone surrogates
-    like "\\ud800"; tokenizers raise on them). Iterative: depth is bounded by the JSON parser."""
+    """The path of the first string, value or key, that is not valid UTF-8 text (JSON allows
+    lone surrogates like "\\ud800"; tokenizers, headers and the error body itself raise on them),
+    its bad characters escaped. Iterative: depth is bounded by the JSON parser."""
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
         path, value = stack.pop()
@@ -29,9 +30,11 @@ def _first_unencodable(data: Any) -> str | None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                return path or "body"
+                return path.encode("utf-8", "backslashreplace").decode() or "body"
         elif isinstance(value, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+            for k, v in value.items():
+                at = f"{path}.{k}" if path else str(k)
+                stack += [(at, v), (at, k)]  # the key is text too
         elif isinstance(value, list):
             stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
     return None

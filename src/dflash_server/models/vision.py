@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import math
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,32 +91,58 @@ class VisionTower:
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
 
+class ImageTooLarge(ValueError):
+    """An image with more pixels than are decoded: ``pixels`` of them (None when unknown),
+    ``limit``, and ``size`` (width, height) when known (Pillow's own check names only the
+    count)."""
+
+    def __init__(self, pixels: int | None, limit: int, size: tuple[int, int] | None = None) -> None:
+        self.pixels, self.limit, self.size = pixels, limit, size
+        shape = f"{size[0]}x{size[1]}, " if size else ""
+        found = f"{shape}{pixels:,} pixels, more" if pixels else "larger"
+        super().__init__(f"the image is {found} than the {limit:,} this server decodes")
+
+
 def open_image(source: Any, max_pixels: int | None = None) -> Any:
     """An RGB PIL image from a PIL image, a file path or encoded bytes (PNG, JPEG, WebP, GIF:
     its first frame), turned upright by its EXIF orientation as mlx-vlm's loader does. A
     ValueError names what is wrong: not an image, another format, more than ``max_pixels``
-    before resizing, or data that does not decode."""
-    from PIL import Image, ImageOps
+    before resizing (``ImageTooLarge``), or data that does not decode."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     image = source
     if not isinstance(source, Image.Image):
         try:
             image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-        except (OSError, Image.DecompressionBombError) as exc:
+        except Image.DecompressionBombError as exc:
+            raise _bomb(exc, max_pixels) from None
+        except UnidentifiedImageError as exc:  # its message is the stream's Python repr
+            raise ValueError(
+                "the data is not an image this server reads (PNG, JPEG, WebP or GIF)"
+            ) from exc
+        except OSError as exc:
             raise ValueError(f"the data is not an image this server reads: {exc}") from exc
         if image.format not in FORMATS:
             raise ValueError(
                 f"{image.format} images are not supported (PNG, JPEG, WebP and GIF are)"
             )
     if max_pixels is not None and image.width * image.height > max_pixels:
-        raise ValueError(
-            f"the image is {image.width}x{image.height} pixels, more than the {max_pixels} "
-            "this server decodes"
-        )
+        raise ImageTooLarge(image.width * image.height, max_pixels, image.size)
     try:
         return ImageOps.exif_transpose(image).convert("RGB")
     except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt data
         raise ValueError(f"the image data does not decode: {exc}") from exc
+
+
+def _bomb(exc: Exception, max_pixels: int | None) -> ImageTooLarge:
+    """Pillow's decompression-bomb refusal (over twice ``Image.MAX_IMAGE_PIXELS``, before our
+    own check can run) as the limit that applies: the smaller of ours and Pillow's."""
+    from PIL import Image
+
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    pillows = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else None
+    limits = [n for n in (max_pixels, pillows) if n is not None]
+    return ImageTooLarge(int(found.group(1)) if found else None, min(limits, default=0))
 
 
 def expand_pads(tokens: Sequence[int], pad: int, counts: Sequence[int]) -> list[int]:
