@@ -26,11 +26,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from dflash_server.drafters.protocol import ContextLayer, Drafted, DraftRow, Family
-from dflash_server.drafters.stepwise import Walk, batch_of
+from dflash_server.drafters.stepwise import PendingHidden, ShiftedContext, Walk, batch_of
 from dflash_server.models.loading import load_arrays, load_checkpoint, resolve_model_path
 from dflash_server.models.target_parts import find_target_parts, float_bytes
 
@@ -61,53 +60,6 @@ class MTPConfig:
     def layer_args(self) -> TextModelArgs:
         args = TextModelArgs.from_dict(copy.deepcopy(self.text))
         return args
-
-
-class MTPContext(KVCache):
-    """The head's layer K/V over committed positions. Position i's entry needs x_{i+1}, so it
-    holds one entry fewer than the positions seen: restoring ``length`` prompt tokens keeps the
-    first ``length - 1`` entries (the last one's next token may differ)."""
-
-    max_size = None  # cut to any prefix, like a full-attention context
-
-    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
-        if self.keys is None:
-            return None
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :], self.offset + 1
-
-    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
-        if snapshot is None:
-            self.keys = self.values = None
-            self.offset = 0
-            return
-        keys, values, length = snapshot
-        self.keys, self.values = keys[..., : length - 1, :], values[..., : length - 1, :]
-        self.offset = length - 1
-
-
-class PendingHidden:
-    """The newest committed position's hidden state ([1, 1, H]), until the token after it is
-    known. Valid only where it was taken, so prefix snapshots keep it at checkpoints."""
-
-    max_size = 1
-
-    def __init__(self) -> None:
-        self.hidden: mx.array | None = None
-        self.offset = 0  # positions seen
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.hidden is None else [self.hidden]
-
-    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
-        if self.hidden is None:
-            return None
-        kv = self.hidden[:, None]  # [1, 1, 1, H]: the shape of one position of K/V
-        return kv, kv, self.offset
-
-    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
-        self.hidden = None if snapshot is None else snapshot[0][:, 0]
-        self.offset = 0 if snapshot is None else snapshot[2]
 
 
 class MTPDrafter(nn.Module):
@@ -164,7 +116,7 @@ class MTPDrafter(nn.Module):
         return tuple(out)
 
     def make_cache(self) -> list[Any]:
-        return [MTPContext() for _ in self.layers] + [PendingHidden()]
+        return [ShiftedContext() for _ in self.layers] + [PendingHidden()]
 
     def append_context(self, target_hidden: mx.array, cache: list[Any], tokens: mx.array) -> None:
         """Pair each new committed position with the token after it (the next position's

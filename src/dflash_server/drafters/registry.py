@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from dflash_server.drafters import dflash, dflash2, dspark, mtp
+from dflash_server.drafters import dflash, dflash2, dspark, eagle3, mtp
 from dflash_server.drafters.dflash import DFlashDraftModel
 from dflash_server.drafters.protocol import Drafter, Family
 from dflash_server.drafters.window import DEFAULT_WINDOW
@@ -28,6 +28,7 @@ FAMILIES: list[Family] = [
     dflash.FAMILY,
     dflash2.FAMILY,
     dflash.ASSISTANT,
+    eagle3.FAMILY,
     mtp.FAMILY,
 ]
 MTP = "MTP"  # the family that reads a target checkpoint's own head (``--draft mtp``)

@@ -7,6 +7,9 @@ head draw each draft from the one before, and run every row's step in one pass.
   one mlx-lm ``BatchKVCache``: copied, left-padded (its mask hides each row's padding, its
   per-row offsets give each row its own RoPE positions). Drafting steps append to the copy, which
   is dropped after, so the rows' caches never change (docs/design.md, "Drafter families").
+* ``ShiftedContext`` and ``PendingHidden``: the context of a head that pairs each committed
+  position's hidden state with the token after it (the MTP head, EAGLE-3): its layers' K/V, one
+  entry short, and the newest position's hidden state waiting for that token.
 """
 
 from __future__ import annotations
@@ -74,3 +77,51 @@ def batch_of(caches: Sequence[KVCache]) -> BatchKVCache:
     values = mx.concatenate([padded(c, n, 1) for c, n in zip(caches, lengths)])
     batch.state = (keys, values, mx.array(lengths), batch.left_padding, longest)
     return batch
+
+
+class ShiftedContext(KVCache):
+    """A head layer's K/V over committed positions. Position i's entry needs x_{i+1}, so it
+    holds one entry fewer than the positions seen: restoring ``length`` prompt tokens keeps the
+    first ``length - 1`` entries (the last one's next token may differ)."""
+
+    max_size = None  # cut to any prefix, like a full-attention context
+
+    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
+        if self.keys is None:  # no entry yet (a one-token prompt): an empty context
+            empty = mx.zeros((1, 1, 0, 1))
+            return empty, empty, 1
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :], self.offset + 1
+
+    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
+        if snapshot is None or snapshot[2] <= 1:
+            self.keys = self.values = None
+            self.offset = 0
+            return
+        keys, values, length = snapshot
+        self.keys, self.values = keys[..., : length - 1, :], values[..., : length - 1, :]
+        self.offset = length - 1
+
+
+class PendingHidden:
+    """The newest committed position's hidden state ([1, 1, H]), until the token after it is
+    known. Valid only where it was taken, so prefix snapshots keep it at checkpoints."""
+
+    max_size = 1
+
+    def __init__(self) -> None:
+        self.hidden: mx.array | None = None
+        self.offset = 0  # positions seen
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.hidden is None else [self.hidden]
+
+    def snapshot(self) -> tuple[mx.array, mx.array, int] | None:
+        if self.hidden is None:
+            return None
+        kv = self.hidden[:, None]  # [1, 1, 1, H]: the shape of one position of K/V
+        return kv, kv, self.offset
+
+    def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
+        self.hidden = None if snapshot is None else snapshot[0][:, 0]
+        self.offset = 0 if snapshot is None else snapshot[2]

@@ -4,6 +4,9 @@ a tiny target: what a user downloads, written offline in milliseconds (tests and
 * DSpark: DeepSpec's ``Qwen3DSparkModel`` (its keys at the top level, its own copies of the
   target's embedding and head) or SpecForge's (``dflash_config.projector_type: "dspark"``, the
   target's embedding and head borrowed).
+* EAGLE-3: RedHat's speculators ``Eagle3Speculator`` (aux ids naming layer inputs, its own copy
+  of the target's embedding) or SpecForge's ``LlamaForCausalLMEagle3`` (``eagle_config`` ids
+  naming layer outputs, ``midlayer.*`` weights, the target's embedding borrowed).
 """
 
 from __future__ import annotations
@@ -117,3 +120,94 @@ def _dense(module: Any) -> Any:
             module.weight, module.scales, module.biases, module.group_size, module.bits
         )
     return module.weight
+
+
+EAGLE3_LAYOUTS = ("speculators", "specforge")
+
+
+def write_eagle3(
+    path: Path,
+    target: Any,
+    *,
+    layout: str = "speculators",
+    draft_vocab: int | None = None,
+    fc_norm: bool = False,
+    norm_before_residual: bool | None = None,
+    quantize_bits: int | None = None,
+    seed: int = 0,
+    block_size: int = 5,
+    model_type: str = "llama",
+) -> Path:
+    """Write a random EAGLE-3 head for ``target`` in ``layout`` and return ``path``.
+
+    Both layouts tap the target's layers 0, L/2 - 1 and L - 2 (speculators' aux ids are those
+    plus one); ``block_size - 1`` speculative tokens (speculators' key; SpecForge names none, so
+    ``block_size`` is written as ours). ``draft_vocab``: a smaller draft vocabulary of random
+    target ids with the trainers' ``d2t``/``t2d`` maps; ``fc_norm``: EAGLE 3.1's per-tap norms;
+    ``norm_before_residual``: None is the layout's own default (speculators' RedHat heads: on;
+    SpecForge: off); ``model_type`` "qwen3": a layer with per-head q/k norms. Norm weights are
+    random, so each norm counts."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import quantize_model, save_config
+
+    from dflash_server.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from dflash_server.models.target_parts import find_target_parts
+
+    if layout not in EAGLE3_LAYOUTS:
+        raise ValueError(f"layout must be one of {EAGLE3_LAYOUTS}, not {layout!r}")
+    parts = find_target_parts(target)
+    n, vocab = parts.num_layers, parts.vocab_size
+    layer, _ = _model_keys(target, 1)
+    del layer["layer_types"]
+    layer["model_type"] = model_type
+    taps = [0, max(0, n // 2 - 1), n - 2]
+    heads: dict[str, Any] = {"draft_vocab_size": draft_vocab or vocab}
+    if fc_norm:
+        heads["fc_norm"] = True
+    if layout == "speculators":
+        method = {"proposal_type": "greedy", "speculative_tokens": block_size - 1,
+                  "accept_tolerance": 0.0, "verifier_accept_k": 1}  # fmt: skip
+        raw: dict[str, Any] = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "eagle_aux_hidden_state_layer_ids": [t + 1 for t in taps],
+            "norm_before_residual": norm_before_residual is not False,
+            **heads,
+            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [method],
+                                   "verifier": {"architectures": [], "name_or_path": "target"}},
+        }  # fmt: skip
+        names = ["embed_tokens.weight"]
+    else:
+        raw = {"architectures": ["LlamaForCausalLMEagle3"], **layer, **heads,
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": taps},
+               "block_size": block_size}  # fmt: skip
+        if norm_before_residual:
+            raw["norm_before_residual"] = True
+        names = []
+    mx.random.seed(seed)
+    draft: Any = Eagle3Drafter(Eagle3Config.from_dict(raw, names))
+    params: dict[str, Any] = dict(tree_flatten(draft.parameters()))
+    norms = [(k, 1 + 0.2 * mx.random.normal(v.shape)) for k, v in params.items() if "norm" in k]
+    draft.update(tree_unflatten(norms))
+    if layout == "speculators":  # the trainer keeps a copy of the target's embedding
+        draft.embed_tokens.weight = _dense(parts.embed_tokens)
+    if quantize_bits is not None:
+        draft, raw = quantize_model(draft, raw, 32, quantize_bits)
+    weights = dict(tree_flatten(draft.parameters()))
+    if layout == "specforge":  # the EAGLE repository's name for the layer
+        weights = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()}
+    if draft_vocab:
+        rng = np.random.default_rng(seed)
+        hot = np.sort(rng.choice(vocab, draft_vocab, replace=False))
+        weights["d2t"] = mx.array(hot - np.arange(draft_vocab), dtype=mx.int64)
+        weights["t2d"] = mx.array(np.isin(np.arange(vocab), hot))
+    mx.eval(weights)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    save_config(raw, path / "config.json")
+    return path
