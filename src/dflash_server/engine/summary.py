@@ -152,7 +152,7 @@ def _vision_note(tower: VisionTower | None, config: dict[str, Any], asked: bool)
         return f"takes images (vision tower: {_size(_weights_gb(tower.tower))} weights)"
     if config.get("vision_config") and not asked:
         return "text only (--no-vision)"
-    return "text only (the checkpoint has no vision tower)"
+    return "text only (the checkpoint has no vision tower; mlx-lm conversions drop it)"
 
 
 def _size(gb: float) -> str:
