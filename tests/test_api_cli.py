@@ -33,6 +33,9 @@ def test_presets_ship_the_required_pairs() -> None:
     assert ("mlx-community/Qwen3.5-4B-bf16", "z-lab/Qwen3.5-4B-DFlash") in pairs
     assert any(d == "z-lab/Qwen3.5-9B-DFlash" and "9B" in t for t, d in pairs)
     assert any(d == "guglxni/Qwen3.5-9B-abliterated-DFlash" and "4bit" in t for t, d in pairs)
+    # One preset per drafter family, each a published drafter for a Qwen3.5-family target.
+    assert {"z-lab/Qwen3.8-27B-DFlash2", "RadixArk/Qwen3.8-27B-DSpark", "mtp",
+            "VirVen/Qwen3.5-27B-EAGLE3-v2/compressed"} <= {d for _, d in pairs}  # fmt: skip
 
 
 def test_default_preset_when_no_model_is_named() -> None:

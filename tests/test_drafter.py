@@ -200,3 +200,30 @@ def test_model_card_usage(tiny_hybrid, tmp_path):
 def test_hub_id_offline_fails_cleanly():
     with pytest.raises(Exception, match=r"(?i)offline|cannot find|not found|connect"):
         load_draft("z-lab/this-drafter-does-not-exist")
+
+
+def test_a_folder_inside_a_hub_repo(tiny_hybrid, tmp_path, monkeypatch):
+    """``owner/name/compressed`` (drafters shipped in a repo's folder) fetches that folder
+    only and loads from it; a repo without it is refused naming the folder."""
+    import huggingface_hub
+
+    from dflash_server.engine.loader import ModelLoadError, resolve_model
+
+    model, _ = tiny_hybrid
+    snapshot = tmp_path / "snapshot"
+    save_drafter(random_drafter(model), snapshot / "compressed")
+    asked: list[tuple[str, list[str]]] = []
+
+    def fake_download(repo: str, allow_patterns: list[str]) -> str:
+        asked.append((repo, allow_patterns))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    draft = load_draft("someone/some-drafter/compressed", target=model)
+    assert isinstance(draft, DFlashDraftModel)
+    assert asked == [("someone/some-drafter", ["compressed/*.safetensors", "compressed/*.json"])]
+    assert resolve_model("someone/some-drafter/compressed", "drafter", ["*.json"]).name == (
+        "compressed"
+    )
+    with pytest.raises(ModelLoadError, match="has no folder 'other'"):
+        resolve_model("someone/some-drafter/other", "drafter", ["*.json"])

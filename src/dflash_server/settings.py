@@ -71,9 +71,9 @@ class Settings(BaseSettings, _SamplingDefaults):
     )
     draft: str | None = Field(
         None,
-        description="drafter: a DFlash drafter (hub id or local folder), 'mtp' (the target "
-        "checkpoint's own MTP head) or 'none' (suffix drafts and plain decoding); "
-        "default: the preset's, or none with --target",
+        description="drafter: a DFlash, DFlash2, DSpark or EAGLE-3 drafter (hub id, "
+        "owner/name/folder, or local folder), 'mtp' (the target checkpoint's own MTP head) or "
+        "'none' (suffix drafts and plain decoding); default: the preset's, or none with --target",
     )
     served_model_name: str | None = Field(
         None, description="model id shown by /v1/models (default: last part of --target)"

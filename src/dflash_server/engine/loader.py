@@ -24,7 +24,7 @@ from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.pair import ModelPair
 from dflash_server.models.hooks import HookError
-from dflash_server.models.loading import load
+from dflash_server.models.loading import load, resolve_model_path
 from dflash_server.models.vision import load_vision
 
 log = logging.getLogger("dflash_server")
@@ -63,15 +63,15 @@ def resolve_model(repo_or_path: str, role: str, patterns: list[str]) -> Path:
         if not path.is_dir():
             raise ModelLoadError(f"{role} {repo_or_path!r} is a file; pass the model's folder")
         return path
-    if repo_or_path.startswith((".", "/", "~")) or repo_or_path.count("/") != 1:
+    if repo_or_path.startswith((".", "/", "~")) or repo_or_path.count("/") < 1:
         raise ModelLoadError(
-            f"{role} {repo_or_path!r}: no such folder, and not a hub id of the form 'owner/name'"
+            f"{role} {repo_or_path!r}: no such folder, and not a hub id of the form 'owner/name' "
+            "(or 'owner/name/folder' for a folder inside a repo)"
         )
     from huggingface_hub import errors as hf_errors
-    from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_or_path, allow_patterns=patterns))
+        return resolve_model_path(repo_or_path, patterns)
     except hf_errors.GatedRepoError as exc:
         raise ModelLoadError(
             f"{role} {repo_or_path!r} is gated: accept its terms on huggingface.co, then "
@@ -87,6 +87,8 @@ def resolve_model(repo_or_path: str, role: str, patterns: list[str]) -> Path:
             f"cannot download {role} {repo_or_path!r}: the hub is unreachable and the model is "
             "not in the local cache; connect once, or pass a local folder"
         ) from exc
+    except FileNotFoundError as exc:  # a hub repo without the folder named after its id
+        raise ModelLoadError(f"{role} {repo_or_path!r}: {exc}") from exc
     except (hf_errors.HfHubHTTPError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot download {role} {repo_or_path!r}: {first}") from exc

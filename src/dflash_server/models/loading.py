@@ -19,7 +19,9 @@ NO_LIMIT = int(1e30)  # what transformers itself uses for "no maximum length"
 
 
 def resolve_model_path(repo_or_path: str | Path, allow_patterns: list[str] | None = None) -> Path:
-    """A local folder as is; otherwise a hub snapshot (cached, progress bar, HF_HUB_OFFLINE aware)."""
+    """A local folder as is; otherwise a hub snapshot (cached, progress bar, HF_HUB_OFFLINE
+    aware). ``owner/name/sub/folder`` names a folder inside a hub repo (some drafters ship in
+    one, e.g. ``compressed/``): only that folder is fetched."""
     path = Path(repo_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -27,7 +29,15 @@ def resolve_model_path(repo_or_path: str | Path, allow_patterns: list[str] | Non
         return path
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(repo_or_path), allow_patterns=allow_patterns))
+    repo, _, sub = str(repo_or_path).partition("/")
+    name, _, sub = sub.partition("/")
+    if not sub or str(repo_or_path).startswith((".", "/", "~")):
+        return Path(snapshot_download(str(repo_or_path), allow_patterns=allow_patterns))
+    patterns = [f"{sub}/{p}" for p in allow_patterns or ["*"]]
+    folder = Path(snapshot_download(f"{repo}/{name}", allow_patterns=patterns)) / sub
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{repo}/{name} has no folder {sub!r}")
+    return folder
 
 
 def load_arrays(path: str | Path) -> dict[str, mx.array]:
