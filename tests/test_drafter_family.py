@@ -57,3 +57,36 @@ def test_a_registered_family_is_served_exactly(tiny_hybrid_path: Path, toy: Path
     assert all(tokens(reply) == tokens(plain) for reply in batch)
     stats = alone["dflash"]
     assert stats["block_size"] == 4 and stats["drafted"] > 0  # the toy drafted every cycle
+
+
+@pytest.mark.parametrize("family", ["DSpark", "EAGLE-3"])
+def test_published_families_are_served_exactly(
+    family: str, tiny_hybrid_path: Path, tiny_hybrid: Any, tmp_path: Path
+) -> None:
+    """A DSpark and an EAGLE-3 folder in their published layouts, served: /health names the
+    family, and greedy answers alone and three at once equal plain decoding's."""
+    from dflash_server.testing.layouts import write_dspark, write_eagle3
+
+    model, _ = tiny_hybrid
+    write = write_dspark if family == "DSpark" else write_eagle3
+    folder = write(tmp_path / "drafter", model)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Count to ten."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "block_size": 4,
+    }
+    app = make_app(tiny_hybrid_path, folder, served_model_name="m", enable_thinking=False)
+    with run_server(app) as srv:
+        assert httpx.get(f"{srv.base_url}/health").json()["draft_family"] == family
+        url = f"{srv.base_url}/v1/chat/completions"
+        with httpx.Client(timeout=60) as client:
+            plain = client.post(url, json=body | {"speculative": False}).json()
+            alone = client.post(url, json=body).json()
+            with ThreadPoolExecutor(3) as pool:
+                batch = list(pool.map(lambda _: client.post(url, json=body).json(), range(3)))
+    assert tokens(alone) == tokens(plain) and len(tokens(plain)) > 4
+    assert all(tokens(reply) == tokens(plain) for reply in batch)
+    assert alone["dflash"]["drafted"] > 0
