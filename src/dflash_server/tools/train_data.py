@@ -99,79 +99,101 @@ def make_windows(docs: Sequence[list[int]], seq_len: int, separator: int | None)
     return np.asarray(stream[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
 
 
-def target_forward(target: TargetModel, tokens: mx.array, labels: bool) -> tuple[mx.array, ...]:
-    """Taps ``[N, T, L*H]`` and (if ``labels``) the target's greedy labels ``[N, T]``.
+def target_forward(
+    target: TargetModel, tokens: mx.array, labels: bool, final: bool = False
+) -> tuple[mx.array, ...]:
+    """Taps ``[N, T, L*H]``, (if ``labels``) the target's greedy labels ``[N, T]`` and (if
+    ``final``) its final-normed hidden states ``[N, T, H]``, from one target pass.
 
     ``labels[:, p]`` = argmax of the target's logits at row p-1, i.e. what greedy decoding would
-    put at position p; position 0 has no prediction and keeps its data token.
+    put at position p; position 0 has no prediction and keeps its data token. ``final`` is what
+    DSpark's and EAGLE-3's losses turn into target probabilities (only at the rows they read:
+    ``T x V`` logits per window would not fit a cache).
     """
-    logits, taps = target.forward(tokens, None, slice(None) if labels else None)
+    # TargetModel.forward's two halves, so the final hidden state can be kept as well.
+    hidden = target.parts.backbone(tokens, None)
+    taps = target.hooks.take_taps(target.tap_ids)
     assert taps is not None, "the target is tapped for the drafter"
-    if logits is None:
-        return (mx.stop_gradient(taps),)
-    pred = mx.argmax(logits[:, :-1], axis=-1).astype(tokens.dtype)
-    return mx.stop_gradient(taps), mx.concatenate([tokens[:, :1], pred], axis=1)
+    out = [mx.stop_gradient(taps)]
+    if labels:
+        pred = mx.argmax(target.parts.lm_head(hidden[:, :-1]), axis=-1).astype(tokens.dtype)
+        out.append(mx.concatenate([tokens[:, :1], pred], axis=1))
+    if final:
+        out.append(mx.stop_gradient(hidden))
+    return tuple(out)
+
+
+Batch = tuple[mx.array, mx.array, mx.array, mx.array | None]
 
 
 class HiddenSource(Protocol):
-    def batch(self, rows: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
-        """(tokens, labels, taps) of the training windows ``rows``."""
+    def batch(self, rows: np.ndarray) -> Batch:
+        """(tokens, labels, taps, final hidden states or None) of the training windows ``rows``."""
         ...
 
 
 class OnTheFly:
-    """Runs the frozen target on every batch; labels from the target or from the data."""
+    """Runs the frozen target on every batch; labels from the target or from the data;
+    ``final``: keep its final hidden states too."""
 
-    def __init__(self, target: TargetModel, windows: np.ndarray, target_labels: bool):
+    def __init__(
+        self, target: TargetModel, windows: np.ndarray, target_labels: bool, final: bool = False
+    ):
         self.target, self.windows, self.target_labels = target, windows, target_labels
+        self.final = final
 
-    def batch(self, rows: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
+    def batch(self, rows: np.ndarray) -> Batch:
         tokens = mx.array(self.windows[rows])
-        out = target_forward(self.target, tokens, self.target_labels)
-        taps = out[0]
-        labels = out[1] if self.target_labels else tokens
-        return tokens, labels, taps
+        out = list(target_forward(self.target, tokens, self.target_labels, self.final))
+        taps = out.pop(0)
+        labels = out.pop(0) if self.target_labels else tokens
+        return tokens, labels, taps, out.pop(0) if self.final else None
 
 
 class DiskCache:
-    """Taps and target labels of every window, computed once, stored as float16 shards."""
+    """Taps and target labels of every window (and with ``final`` its final hidden states),
+    computed once, stored as float16 shards."""
 
-    def __init__(self, folder: Path, windows: np.ndarray, target_labels: bool, shard: int = 32):
-        self.folder, self.windows, self.target_labels, self.shard = (
-            folder,
-            windows,
-            target_labels,
-            shard,
-        )
+    def __init__(
+        self,
+        folder: Path,
+        windows: np.ndarray,
+        target_labels: bool,
+        shard: int = 32,
+        final: bool = False,
+    ):
+        self.folder, self.windows, self.target_labels = folder, windows, target_labels
+        self.shard, self.final = shard, final
         self._loaded: tuple[int, dict[str, mx.array]] | None = None
 
     @staticmethod
-    def fingerprint(windows: np.ndarray, target_id: str, tap_ids: Sequence[int]) -> str:
+    def fingerprint(
+        windows: np.ndarray, target_id: str, tap_ids: Sequence[int], final: bool = False
+    ) -> str:
         h = hashlib.sha256(windows.tobytes())
-        h.update(json.dumps([target_id, list(tap_ids), list(windows.shape)]).encode())
+        key: list[Any] = [target_id, list(tap_ids), list(windows.shape)]
+        h.update(json.dumps([*key, "final"] if final else key).encode())
         return h.hexdigest()[:16]
 
     def build(self, target: TargetModel, target_id: str, progress: Any = None) -> bool:
         """Fill the cache unless a matching one exists; return True if it was (re)built."""
         meta_file = self.folder / "meta.json"
-        key = self.fingerprint(self.windows, target_id, target.tap_ids)
+        key = self.fingerprint(self.windows, target_id, target.tap_ids, self.final)
         if meta_file.exists() and json.loads(meta_file.read_text()).get("fingerprint") == key:
             return False
         self.folder.mkdir(parents=True, exist_ok=True)
         meta_file.unlink(missing_ok=True)  # an interrupted build must not look complete
         for i, start in enumerate(range(0, len(self.windows), self.shard)):
             tokens = mx.array(self.windows[start : start + self.shard])
-            taps, labels = [], []
+            parts: dict[str, list[mx.array]] = {"taps": [], "labels": [], "final": []}
             for j in range(tokens.shape[0]):  # one window at a time bounds the target's memory
-                t, lab = target_forward(target, tokens[j : j + 1], labels=True)
-                taps.append(t.astype(mx.float16))
-                labels.append(lab)
-                mx.eval(taps[-1], labels[-1])
-            arrays = {
-                "taps": mx.concatenate(taps),
-                "labels": mx.concatenate(labels),
-                "tokens": tokens,
-            }
+                t, lab, *fin = target_forward(target, tokens[j : j + 1], True, self.final)
+                parts["taps"].append(t.astype(mx.float16))
+                parts["labels"].append(lab)
+                parts["final"].extend(f.astype(mx.float16) for f in fin)
+                mx.eval(t, lab, *fin)
+            arrays = {k: mx.concatenate(v) for k, v in parts.items() if v}
+            arrays["tokens"] = tokens
             mx.save_safetensors(str(self.folder / f"shard-{i:05d}.safetensors"), arrays)
             if progress is not None:
                 progress(tokens.shape[0])
@@ -186,7 +208,7 @@ class DiskCache:
         size = min(self.shard, len(self.windows) - s * self.shard)
         return s * self.shard + rng.choice(size, size=batch, replace=size < batch)
 
-    def batch(self, rows: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
+    def batch(self, rows: np.ndarray) -> Batch:
         s = int(rows[0]) // self.shard
         if self._loaded is None or self._loaded[0] != s:
             self._loaded = (s, load_arrays(self.folder / f"shard-{s:05d}.safetensors"))
@@ -194,8 +216,11 @@ class DiskCache:
         local = mx.array(rows - s * self.shard)
         tokens = data["tokens"][local]
         labels = data["labels"][local] if self.target_labels else tokens
-        return tokens, labels, data["taps"][local]
+        final = data["final"][local] if self.final else None
+        return tokens, labels, data["taps"][local], final
 
 
 def estimate_cache_bytes(windows: np.ndarray, num_taps: int, hidden: int) -> int:
+    """float16 taps (plus one more ``hidden``-wide row per token when the final state is kept:
+    pass ``num_taps + 1``)."""
     return int(windows.size) * num_taps * hidden * 2

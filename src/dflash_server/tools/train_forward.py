@@ -23,13 +23,24 @@ class TrainBatch:
     """One step's inputs: ``tokens``/``labels`` ``[N, T]``, ``taps`` ``[N, T, L*H]``, anchors ``[N, K]``.
 
     ``labels[:, p]`` is the token the drafter should propose at position p: the data token, or the
-    target's greedy prediction from the prefix ``0 .. p-1``.
+    target's greedy prediction from the prefix ``0 .. p-1``. ``final`` ``[N, T, H]``: the target's
+    final hidden states, for the families whose loss reads target probabilities (else None).
     """
 
     tokens: mx.array
     labels: mx.array
     taps: mx.array
     anchors: mx.array
+    final: mx.array | None = None
+
+
+def gather_positions(x: mx.array, idx: mx.array) -> mx.array:
+    """``x[n, idx[n, ...]]``: rows of ``x`` ``[N, T, ...]`` at positions ``idx`` ``[N, ...]``."""
+    N = idx.shape[0]
+    flat = idx.reshape(N, -1)
+    tail = x.shape[2:]
+    picked = mx.take_along_axis(x, flat.reshape(N, -1, *([1] * len(tail))), axis=1)
+    return picked.reshape(*idx.shape, *tail)
 
 
 def sample_anchors(rng_uniform: mx.array, seq_len: int, block_size: int) -> mx.array:
@@ -131,18 +142,24 @@ def block_labels(labels: mx.array, anchors: mx.array, block_size: int) -> mx.arr
     return mx.take_along_axis(labels, idx.reshape(N, -1), axis=1).reshape(N, K, block_size - 1)
 
 
+def block_embeddings(draft: DFlashDraftModel, ids: mx.array) -> mx.array:
+    """The blocks' input embeddings, scaled as ``DFlashDraftModel._forward`` scales them."""
+    h = draft.target_head().embed_tokens(ids)  # bind the drafter to its target before training
+    scale = draft.config.input_embedding_scale
+    return h if scale == 1.0 else h * scale
+
+
 def draft_logits(draft: DFlashDraftModel, tokens: mx.array, taps: mx.array, anchors: mx.array):
     """Logits ``[N, K, B-1, V]`` of block rows 1..B-1 (row 0, the anchor, predicts nothing)."""
-    bound = draft.target_head()  # bind the drafter to its target before training
     B = draft.config.block_size
     ids = block_ids(tokens, anchors, B, draft.config.mask_token_id)
-    h = draft_hidden(draft, bound.embed_tokens(ids), taps, anchors)
-    return bound.logits(h[:, :, 1:])
+    h = draft_hidden(draft, block_embeddings(draft, ids), taps, anchors)
+    return draft.target_head().logits(h[:, :, 1:])
 
 
 def position_weights(block_size: int, gamma: float | None) -> mx.array:
-    """Loss weight of block row j: ``exp(-(j-1)/gamma)``; acceptance stops at the first miss, so
-    early rows matter most (gamma 7 for block 16 in published recipes; None = uniform)."""
+    """Loss weight of draft j (block row j+1): ``exp(-j/gamma)``; acceptance stops at the first
+    miss, so early drafts matter most (gamma 7 for block 16 in published recipes; None = uniform)."""
     j = mx.arange(block_size - 1, dtype=mx.float32)
     return mx.ones_like(j) if gamma is None else mx.exp(-j / gamma)
 

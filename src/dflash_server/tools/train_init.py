@@ -13,9 +13,12 @@ from mlx_lm.utils import dequantize_model
 
 from dflash_server.drafters.config import DFlashConfig, default_target_layer_ids
 from dflash_server.drafters.dflash import DFlashDraftModel
+from dflash_server.models.loading import flat_arrays
 from dflash_server.models.target_parts import find_target_parts
 
 _MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
+# The loader's family names (drafters/registry.py) and the --family that trains each.
+FLAGS = {"DFlash": "dflash", "DSpark": "dspark", "EAGLE-3": "eagle3", "MTP": "mtp"}
 
 
 def default_mask_id(tokenizer: Any, rows: int) -> int:
@@ -86,8 +89,13 @@ def fresh_config(args: argparse.Namespace, model: nn.Module, tokenizer: Any) -> 
 
 
 def refuse_unsupported(config: dict[str, Any], where: str) -> None:
-    """Training covers DFlash (v1) drafters only; say why for the other families."""
+    """``--family dflash`` trains DFlash (v1) drafters only; say why for the other layouts."""
+    from dflash_server.drafters.registry import family_of
+
     arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
+    found = family_of(config).name
+    if found in FLAGS and found != "DFlash":
+        raise ValueError(f"{where} holds a {found} drafter: train it with --family {FLAGS[found]}")
     if arch == "DFlash2DraftModel":
         raise ValueError(
             f"{where}: cannot train a DFlash2 drafter. The batched training forward implements "
@@ -132,3 +140,51 @@ def init_drafter(
         draft.set_dtype(mx.float32)  # fp32 master weights whatever the checkpoint's dtype
     draft.train()
     return draft.bind(model), config, dtype
+
+
+def load_init(args: argparse.Namespace, model: nn.Module, family: str) -> tuple[Any, str]:
+    """The ``--init`` folder (or hub id) as ``load_drafter`` loads it for serving, bound to
+    ``model``, dequantized, in float32 and in training mode; and the dtype it was stored in.
+    A folder of another family is refused naming the ``--family`` that trains it."""
+    from dflash_server.drafters.registry import family_of, load_drafter
+    from dflash_server.engine.loader import DRAFT_PATTERNS, resolve_model
+
+    path = resolve_model(args.init, "--init drafter", DRAFT_PATTERNS)
+    raw = json.loads((path / "config.json").read_text())
+    found = family_of(raw).name
+    if found != family:
+        fix = f"train it with --family {FLAGS[found]}" if found in FLAGS else "it cannot train"
+        raise ValueError(f"--init {args.init} holds a {found} drafter, not a {family} one: {fix}")
+    draft: Any = load_drafter(path, model)
+    dequantize_model(draft)
+    dtype = float_dtype(draft)
+    draft.set_dtype(mx.float32)  # fp32 master weights whatever the checkpoint's dtype
+    draft.train()
+    return draft, dtype
+
+
+def float_dtype(module: nn.Module) -> str:
+    """The dtype name of ``module``'s first floating parameter ("float32" if it has none)."""
+    for _, v in flat_arrays(module.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return str(v.dtype).removeprefix("mlx.core.")
+    return "float32"
+
+
+def dense_weight(layer: Any) -> mx.array:
+    """A target embedding's or head's weight as a dense matrix (dequantized where packed), to
+    copy into a drafter that carries its own (DeepSpec's DSpark, speculators' EAGLE-3)."""
+    if hasattr(layer, "scales"):
+        return mx.dequantize(
+            layer.weight, layer.scales, layer.get("biases"), layer.group_size, layer.bits,
+            getattr(layer, "mode", "affine"),
+        )  # fmt: skip
+    return layer.weight
+
+
+def target_head_weights(model: nn.Module) -> tuple[mx.array, mx.array]:
+    """(embedding, lm_head) weights of the target, dense; a tied head is the embedding."""
+    parts = find_target_parts(model)
+    embed = dense_weight(parts.embed_tokens)
+    # A head module of its own, or the tied embedding's ``as_linear`` (a bound method).
+    return embed, dense_weight(parts.lm_head) if isinstance(parts.lm_head, nn.Module) else embed
