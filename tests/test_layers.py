@@ -23,6 +23,7 @@ LAYERS = [
     "cli_parser",
     "config_files",
     "settings",
+    "models_file",
     "api",
     "serve",
     "tools",

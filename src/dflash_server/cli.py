@@ -32,6 +32,7 @@ SUBCOMMANDS = {
     "train": ("dflash_server.tools.train", "train or fine-tune a drafter on your target"),
     "export": ("dflash_server.tools.export", "print the vLLM/SGLang command for a GPU server"),
     "bench": ("dflash_server.tools.bench", "plain vs DFlash (fixed, auto) on this machine"),
+    "models": ("dflash_server.tools.models", "list the hub models in the local cache"),
 }
 
 # The subcommands whose modules import MLX at their top keep their flags in a light module.
@@ -279,6 +280,13 @@ def _start(settings: Settings) -> int:
 
     group = world()  # launched by mlx.launch over several processes: rank 0 serves HTTP
     rank = 0 if group is None else group.rank()
+    if settings.models and group is not None:
+        print(
+            f"dflash-serve: error: rank {rank}: --models serves several models on one machine; "
+            "over several ranks (mlx.launch) serve one model with --target and --draft",
+            file=sys.stderr,
+        )
+        return 2
     if rank == 0 and (problem := listen_error(settings.host, settings.port)) is not None:
         print(f"dflash-serve: error: {problem}", file=sys.stderr)
         return 1
@@ -286,6 +294,8 @@ def _start(settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(levelname)s:  {who}%(message)s"
     )
+    if settings.models:
+        return _serve_models(settings)
     try:
         # Download before the server starts: progress bars go to the console and a bad id
         # fails here, in one line, instead of inside a running server.
@@ -308,6 +318,20 @@ def _start(settings: Settings) -> int:
     from dflash_server.serve.server import serve
 
     return serve(settings, str(target_path), draft_path, group)
+
+
+def _serve_models(settings: Settings) -> int:
+    """Serve a models file's models (read and checked now; each loads when asked for)."""
+    from dflash_server.config_files import SettingsError
+    from dflash_server.models_file import read_models_file
+    from dflash_server.serve.server import serve
+
+    try:
+        entries = read_models_file(str(settings.models), settings)
+    except SettingsError as exc:
+        print(f"dflash-serve: error: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings, None, None, entries=entries)
 
 
 if __name__ == "__main__":  # pragma: no cover

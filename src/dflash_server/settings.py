@@ -13,7 +13,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, create_model, field_validator, model_validator
+from pydantic import Field, ValidationInfo, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -84,6 +84,23 @@ class Settings(BaseSettings, _SamplingDefaults):
     hf_target: str | None = Field(
         None,
         description="original HF checkpoint of --target, for 'dflash-serve export' (vLLM/SGLang)",
+    )
+    models: str | None = Field(
+        None,
+        description="TOML file of [[models]] to serve, each loaded when a request names it "
+        "(README: several models); instead of --target",
+    )
+    max_model_memory: str | int | None = Field(
+        None,
+        description="with --models: memory the loaded models may take together (weights, KV "
+        "budgets, prefix caches; 48GB, bytes); the least recently used idle one is unloaded "
+        "to make room (default: 3/4 of the machine's; 0 or 'none': no limit)",
+    )
+    model_ttl: float | None = Field(
+        None,
+        gt=0,
+        description="with --models: seconds a model may stay idle before it is unloaded (a "
+        "model's own 'ttl' wins; default: until memory is needed)",
     )
 
     # HTTP
@@ -289,15 +306,23 @@ class Settings(BaseSettings, _SamplingDefaults):
             raise ValueError(f"must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {value}")
         return value
 
-    @field_validator("max_kv_memory", mode="before")
+    @field_validator("max_kv_memory", "max_model_memory", mode="before")
     @classmethod
-    def _parse_kv_memory(cls, value: Any) -> int | None:
+    def _parse_kv_memory(cls, value: Any, info: ValidationInfo) -> int | None:
         from dflash_server.engine.kv_budget import parse_size
 
-        return parse_size(value)
+        try:
+            return parse_size(value)
+        except ValueError as exc:  # the message names the field it was given for
+            raise ValueError(str(exc).replace("max_kv_memory", str(info.field_name))) from None
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
+        if self.models and (self.target or self.draft):
+            raise SettingsError(
+                "--models names the models to serve, and --target/--draft name one too: give "
+                "either the models file or the one model"
+            )
         if self.target is None and self.draft is not None:
             raise SettingsError(
                 "--draft was given without --target: pass the target it drafts for, or neither "
@@ -338,7 +363,7 @@ class Settings(BaseSettings, _SamplingDefaults):
         file_data = read_config_file(find_config(config_path)) if config_path else {}
         named = any(
             key in cli or f"DFLASH_{key.upper()}" in os.environ or key in file_data
-            for key in ("target", "draft")
+            for key in ("target", "draft", "models")
         )
         token = _BASE_PRESET.set(None if named else DEFAULT_PRESET)
         try:
@@ -366,6 +391,12 @@ class Settings(BaseSettings, _SamplingDefaults):
         if self.calibration_cache is None:
             return default_folder()
         return Path(self.calibration_cache).expanduser()
+
+    @property
+    def model_memory_bytes(self) -> int | None:
+        """The loaded models' budget in bytes (0: none; None: the machine's default)."""
+        value = self.max_model_memory
+        return value if not isinstance(value, str) else None
 
     @property
     def kv_memory_bytes(self) -> int | None:

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
 
 from dflash_server.api.errors import APIError
 from dflash_server.api.prepare import Prepared
@@ -90,17 +91,20 @@ async def answer(
     request: Request,
     settings: Settings,
     headers: dict[str, str] | None = None,
+    on_end: Callable[[], None] | None = None,
 ) -> Response:
     """The HTTP answer to a submitted job: a stream of ``shaper``'s events, or its whole body
-    (499 when the client left first; a failure raises ``APIError`` with the job's status)."""
+    (499 when the client left first; a failure raises ``APIError`` with the job's status).
+    ``on_end``: called once the answer has ended, either way (it may be called twice)."""
     if stream:
         wire = shaper.wire
         return EventSourceResponse(
-            _sse(shaper, job, settings.stream_interval),
+            sse_items(shaper, job, settings.stream_interval, on_end),
             ping=settings.keepalive,
             sep="\n",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}),
             ping_message_factory=wire.ping_event if wire.ping is not None else None,
+            background=BackgroundTask(on_end) if on_end is not None else None,
         )
     events = _events(shaper, job, is_disconnected=request.is_disconnected)
     try:
@@ -109,16 +113,25 @@ async def answer(
                 pass
     except ClientGone:
         return Response(status_code=499)  # nobody reads this
+    finally:
+        if on_end is not None:
+            on_end()
     return JSONResponse(shaper.whole(), headers=headers)
 
 
-async def _sse(shaper: Shaper, job: Job, interval: float) -> AsyncGenerator[Any, None]:
+async def sse_items(
+    shaper: Shaper, job: Job, interval: float, on_end: Callable[[], None] | None = None
+) -> AsyncGenerator[Any, None]:
     """The stream's items; ``interval``: minimum seconds between text events."""
-    async with aclosing(_events(shaper, job, interval=interval)) as events:
-        async for event in events:
-            yield shaper.wire.item(event)
-    if shaper.wire.done is not None:
-        yield shaper.wire.done
+    try:
+        async with aclosing(_events(shaper, job, interval=interval)) as events:
+            async for event in events:
+                yield shaper.wire.item(event)
+        if shaper.wire.done is not None:
+            yield shaper.wire.done
+    finally:
+        if on_end is not None:
+            on_end()
 
 
 async def _events(

@@ -64,7 +64,12 @@ class RequestGuard:
                 "(or 'x-api-key: <key>')",
                 code="invalid_api_key",
             )
-        if scope["method"] in {"POST", "PUT", "PATCH"} and path.startswith("/v1/"):
+        # The model load/unload actions take no body: nothing to check the type of.
+        bodiless = path.endswith(("/load", "/unload")) and headers.get(b"content-length") in (
+            None,
+            b"0",
+        )
+        if scope["method"] in {"POST", "PUT", "PATCH"} and path.startswith("/v1/") and not bodiless:
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if ctype != b"application/json" and not ctype.endswith(b"+json"):
                 return APIError(

@@ -33,7 +33,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dflash_server.api.model_gauges import ModelGauges
 from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
+from dflash_server.engine.models import ModelSet
 from dflash_server.engine.worker import Engine
 from dflash_server.generation.request import GenerationRequest
 
@@ -167,6 +169,22 @@ class Metrics:
             buckets=_SIZES,
             registry=r,
         )
+        by_model = ["model"]
+        self.model_generations = Counter(
+            "dflash_model_generations",
+            "generations by model and outcome (finish reason, failed, cancelled)",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.model_tokens = Counter(
+            "dflash_model_generated_tokens", "tokens generated, by model", by_model, registry=r
+        )
+        self.embedding_inputs = Counter(
+            "dflash_embedding_inputs", "inputs embedded, by model", by_model, registry=r
+        )
+        self.embedding_tokens = Counter(
+            "dflash_embedding_tokens", "tokens embedded, by model", by_model, registry=r
+        )
         self.batch_verify = Histogram(
             "dflash_batch_verify_tokens",
             "positions verified per batched target pass (rows x width)",
@@ -179,15 +197,25 @@ class Metrics:
         self.batch_rows.observe(rows)
         self.batch_verify.observe(verified)
 
-    def exposition(self, engine: Engine) -> bytes:
-        """The Prometheus text: what was counted, then ``engine``'s gauges as they are now."""
-        return generate_latest(self.registry) + generate_latest(_EngineGauges(engine))
+    def exposition(self, models: ModelSet) -> bytes:
+        """The Prometheus text: what was counted, then the engine's gauges as they are now
+        (with several models: each model's, labelled by model)."""
+        gauges: Collector = (
+            _EngineGauges(models.single) if models.single is not None else ModelGauges(models)
+        )
+        return generate_latest(self.registry) + generate_latest(gauges)
 
-    def job(self, request: GenerationRequest, endpoint: str) -> MeteredJob:
-        return MeteredJob(request, self, endpoint)
+    def job(self, request: GenerationRequest, endpoint: str, model: str = "") -> MeteredJob:
+        return MeteredJob(request, self, endpoint, model)
+
+    def embedded(self, model: str, inputs: int, tokens: int) -> None:
+        self.embedding_inputs.labels(model).inc(inputs)
+        self.embedding_tokens.labels(model).inc(tokens)
 
     def finished(self, job: MeteredJob, done: Finished, now: float) -> None:
         e = job.endpoint
+        self.model_generations.labels(job.model, done.finish_reason).inc()
+        self.model_tokens.labels(job.model).inc(done.completion_tokens)
         self.generations.labels(e, done.finish_reason).inc()
         self.prompt_tokens.labels(e).inc(done.prompt_tokens)
         self.generated_tokens.labels(e).inc(done.completion_tokens)
@@ -213,9 +241,11 @@ class Metrics:
 class MeteredJob(Job):
     """A Job that records its events in ``Metrics`` as the worker emits them (thread-safe)."""
 
-    def __init__(self, request: GenerationRequest, metrics: Metrics, endpoint: str) -> None:
+    def __init__(
+        self, request: GenerationRequest, metrics: Metrics, endpoint: str, model: str = ""
+    ) -> None:
         super().__init__(request)
-        self.metrics, self.endpoint = metrics, endpoint
+        self.metrics, self.endpoint, self.model = metrics, endpoint, model
         self.first_text: float | None = None
 
     def emit(self, event: Event) -> None:
@@ -228,6 +258,7 @@ class MeteredJob(Job):
         elif isinstance(event, Failed):
             outcome = "cancelled" if self.cancelled else "failed"
             self.metrics.generations.labels(self.endpoint, outcome).inc()
+            self.metrics.model_generations.labels(self.model, outcome).inc()
         super().emit(event)
 
 
@@ -369,4 +400,4 @@ router = APIRouter()
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     state = request.app.state
-    return Response(state.metrics.exposition(state.engine), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.metrics.exposition(state.models), media_type=CONTENT_TYPE_LATEST)

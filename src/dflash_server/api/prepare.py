@@ -60,22 +60,9 @@ class Prepared:
     thinking: bool = True  # False: the request turned thinking off, so no reasoning is parsed
 
 
-def check_model(requested: str | None, settings: Settings) -> None:
-    """404 unless the request names the served model (or its target id); None means default."""
-    if requested is None or requested in {settings.model_id, settings.target}:
-        return
-    raise APIError(
-        404,
-        f"model {requested!r} is not served here; available: {settings.model_id!r}",
-        param="model",
-        code="model_not_found",
-    )
-
-
 def _check_request(req: SamplingFields, settings: Settings, engine: Engine) -> ServedModel:
     """The model the request names, once it is ready to serve (else the status that says
-    why)."""
-    check_model(req.model, settings)
+    why; the route found the model the request names: ``api/model_access.py``)."""
     problem = unsupported_features(req)
     if problem is not None:
         param, message = problem

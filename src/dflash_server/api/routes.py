@@ -8,11 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from dflash_server.api.answers import answer
+from dflash_server.api.answers import Shaper
 from dflash_server.api.anthropic import CountTokensRequest, MessagesRequest
 from dflash_server.api.anthropic import to_chat as anthropic_chat
 from dflash_server.api.anthropic_events import MessageShaper
-from dflash_server.api.deps import EngineDep, MetricsDep, ResponsesDep, SettingsDep
+from dflash_server.api.deps import MetricsDep, ModelsDep, ResponsesDep, SettingsDep
 from dflash_server.api.errors import APIError
 from dflash_server.api.fields import (
     CHAT_SPEC,
@@ -21,25 +21,22 @@ from dflash_server.api.fields import (
     RESPONSES_SPEC,
     ignored_fields,
 )
+from dflash_server.api.model_access import (
+    anthropic_error_event,
+    find_model,
+    model_settings,
+    openai_error_event,
+    responses_error_event,
+    run_on_model,
+    wait_for,
+)
 from dflash_server.api.openai_events import ChatShaper, TextShaper
 from dflash_server.api.openai_responses import PASSED_ON as RESPONSES_PASSED_ON
 from dflash_server.api.openai_responses import ResponsesRequest, conversation, prepare_response
 from dflash_server.api.openai_responses_events import ResponseShaper
 from dflash_server.api.openai_responses_tools import ignored_tools_header, response_tools
-from dflash_server.api.prepare import (
-    Prepared,
-    check_model,
-    prepare_chat,
-    prepare_completion,
-    render_messages,
-)
-from dflash_server.api.types import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    extensions,
-)
+from dflash_server.api.prepare import Prepared, prepare_chat, prepare_completion, render_messages
+from dflash_server.api.types import ChatCompletionRequest, CompletionRequest, extensions
 from dflash_server.engine.jobs import EngineNotReady, Job, QueueFull
 from dflash_server.engine.kv_budget import KVBudgetExceeded
 from dflash_server.engine.worker import Engine
@@ -51,8 +48,13 @@ router = APIRouter()
 public = APIRouter()
 
 
-def _submit(engine: Engine, metrics: MetricsDep, prepared: Prepared, endpoint: str) -> Job:
-    job = Job(prepared.request) if metrics is None else metrics.job(prepared.request, endpoint)
+def _submit(
+    engine: Engine, metrics: MetricsDep, prepared: Prepared, endpoint: str, model: str
+) -> Job:
+    if metrics is None:
+        job = Job(prepared.request)
+    else:
+        job = metrics.job(prepared.request, endpoint, model)
     try:
         engine.submit(job)
     except QueueFull as exc:
@@ -79,14 +81,20 @@ async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     settings: SettingsDep,
-    engine: EngineDep,
+    models: ModelsDep,
     metrics: MetricsDep,
 ) -> Response:
     headers = ignored_fields(body, CHAT_SPEC, request)
-    prepared = await prepare_chat(body, settings, engine)
-    job = _submit(engine, metrics, prepared, "chat")
-    shaper = ChatShaper(prepared, _tokenizer(engine))
-    return await answer(shaper, job, prepared.stream, request, settings, headers)
+
+    async def run(engine: Engine, own: Settings) -> tuple[Shaper, Job]:
+        prepared = await prepare_chat(body, own, engine)
+        job = _submit(engine, metrics, prepared, "chat", own.model_id)
+        return ChatShaper(prepared, _tokenizer(engine)), job
+
+    return await run_on_model(
+        models, body.model, request, settings, stream=bool(body.stream), wire=ChatShaper.wire,
+        error_event=openai_error_event, run=run, headers=headers,
+    )  # fmt: skip
 
 
 @router.post("/v1/completions")
@@ -94,13 +102,19 @@ async def completions(
     body: CompletionRequest,
     request: Request,
     settings: SettingsDep,
-    engine: EngineDep,
+    models: ModelsDep,
     metrics: MetricsDep,
 ) -> Response:
     headers = ignored_fields(body, COMPLETION_SPEC, request)
-    prepared = await prepare_completion(body, settings, engine)
-    job = _submit(engine, metrics, prepared, "completions")
-    return await answer(TextShaper(prepared), job, prepared.stream, request, settings, headers)
+
+    async def run(engine: Engine, own: Settings) -> tuple[Shaper, Job]:
+        prepared = await prepare_completion(body, own, engine)
+        return TextShaper(prepared), _submit(engine, metrics, prepared, "completions", own.model_id)
+
+    return await run_on_model(
+        models, body.model, request, settings, stream=bool(body.stream), wire=TextShaper.wire,
+        error_event=openai_error_event, run=run, headers=headers,
+    )  # fmt: skip
 
 
 @router.post("/v1/messages")
@@ -108,23 +122,39 @@ async def messages(
     body: MessagesRequest,
     request: Request,
     settings: SettingsDep,
-    engine: EngineDep,
+    models: ModelsDep,
     metrics: MetricsDep,
 ) -> Response:
     """Anthropic Messages (see api/anthropic.py)."""
     headers = ignored_fields(body, MESSAGES_SPEC, request, extensions(MessagesRequest))
-    prepared = await prepare_chat(anthropic_chat(body), settings, engine)
-    job = _submit(engine, metrics, prepared, "messages")
-    shaper = MessageShaper(prepared, _tokenizer(engine), body.omit_thinking)
-    return await answer(shaper, job, prepared.stream, request, settings, headers)
+
+    async def run(engine: Engine, own: Settings) -> tuple[Shaper, Job]:
+        prepared = await prepare_chat(anthropic_chat(body), own, engine)
+        job = _submit(engine, metrics, prepared, "messages", own.model_id)
+        return MessageShaper(prepared, _tokenizer(engine), body.omit_thinking), job
+
+    return await run_on_model(
+        models, body.model, request, settings, stream=bool(body.stream),
+        wire=MessageShaper.wire, error_event=anthropic_error_event, run=run, headers=headers,
+    )  # fmt: skip
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(
-    body: CountTokensRequest, request: Request, settings: SettingsDep, engine: EngineDep
+    body: CountTokensRequest, request: Request, settings: SettingsDep, models: ModelsDep
 ) -> JSONResponse:
     headers = ignored_fields(body, MESSAGES_SPEC, request, extensions(CountTokensRequest))
-    chat = await render_messages(anthropic_chat(body), settings, engine)
+    slot = find_model(models, body.model)
+    seen = models.lease(slot)
+    try:
+        await wait_for(models, slot, seen, request)
+        engine = slot.engine
+        if engine is None:
+            raise APIError(503, f"model {slot.id!r} is not loaded", code="model_not_ready")
+        own = model_settings(slot, settings)
+        chat = await render_messages(anthropic_chat(body), own, engine)
+    finally:
+        models.release(slot)
     return JSONResponse({"input_tokens": len(chat.prompt.tokens)}, headers=headers)
 
 
@@ -133,7 +163,7 @@ async def responses(
     body: ResponsesRequest,
     request: Request,
     settings: SettingsDep,
-    engine: EngineDep,
+    models: ModelsDep,
     metrics: MetricsDep,
     store: ResponsesDep,
 ) -> Response:
@@ -141,11 +171,17 @@ async def responses(
     headers = ignored_fields(body, RESPONSES_SPEC, request, RESPONSES_PASSED_ON)
     tools = response_tools(body.tools)
     so_far = conversation(store, body, tools)
-    prepared, so_far = await prepare_response(body, so_far, tools, settings, engine)
-    job = _submit(engine, metrics, prepared, "responses")
-    shaper = ResponseShaper(prepared, _tokenizer(engine), body, tools, store, so_far)
     headers |= ignored_tools_header(tools)
-    return await answer(shaper, job, prepared.stream, request, settings, headers)
+
+    async def run(engine: Engine, own: Settings) -> tuple[Shaper, Job]:
+        prepared, kept = await prepare_response(body, so_far, tools, own, engine)
+        job = _submit(engine, metrics, prepared, "responses", own.model_id)
+        return ResponseShaper(prepared, _tokenizer(engine), body, tools, store, kept), job
+
+    return await run_on_model(
+        models, body.model, request, settings, stream=bool(body.stream),
+        wire=ResponseShaper.wire, error_event=responses_error_event, run=run, headers=headers,
+    )  # fmt: skip
 
 
 @router.get("/v1/responses/{response_id}")
@@ -154,38 +190,6 @@ async def get_response(response_id: str, store: ResponsesDep) -> dict[str, Any]:
     if found is None:
         raise APIError(404, f"response {response_id!r} not found", param="response_id")
     return found.response
-
-
-@router.get("/v1/models", response_model=ModelList)
-async def list_models(request: Request, settings: SettingsDep, engine: EngineDep) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(request, settings, engine)]}
-
-
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
-async def get_model(
-    model_id: str, request: Request, settings: SettingsDep, engine: EngineDep
-) -> dict[str, Any]:
-    check_model(model_id, settings)
-    return _model_card(request, settings, engine)
-
-
-def _model_card(request: Request, settings: Settings, engine: Engine) -> dict[str, Any]:
-    served = engine.served
-    context = served.summary.context_length if served is not None else None
-    card: dict[str, Any] = {
-        "id": settings.model_id,
-        "object": "model",
-        "created": request.app.state.started,
-        "owned_by": "dflash-server",
-        "context_length": context,
-        "max_model_len": context,
-        "max_input_tokens": context,
-    }
-    if served is not None:  # known once loaded
-        images = served.summary.vision
-        card["capabilities"] = ["completion", "chat", "tools", *(["vision"] if images else [])]
-        card["modalities"] = {"input": ["text", *(["image"] if images else [])], "output": ["text"]}
-    return card
 
 
 def request_defaults(settings: Settings) -> dict[str, Any]:
@@ -201,28 +205,39 @@ def request_defaults(settings: Settings) -> dict[str, Any]:
 
 
 @public.get("/health")
-async def health(settings: SettingsDep, engine: EngineDep) -> JSONResponse:
-    """200 when ready, 503 while loading or after a failed load; the body says which."""
-    summary = engine.served.summary.as_dict() if engine.served is not None else {}
+async def health(settings: SettingsDep, models: ModelsDep) -> JSONResponse:
+    """200 when ready, 503 while loading or after a failed load; the body says which (with a
+    models file: every model's state and its load's progress, under ``model_states``)."""
+    slot = models.find(None)
+    own = model_settings(slot, settings) if slot is not None else settings
+    engine = slot.engine if slot is not None else None
+    summary = engine.served.summary.as_dict() if engine and engine.served is not None else {}
     body = {
-        "status": engine.state,
-        "models": [settings.model_id],
-        "target": settings.target,
-        "draft": settings.draft,
+        "status": models.state,
+        "models": [s.id for s in models.slots] if models.multi else [settings.model_id],
+        "target": own.target,
+        "draft": own.draft,
         "block_size": summary.get("block_size"),
         "draft_family": summary.get("draft_family"),
         "context_length": summary.get("context_length"),
         "vision": summary.get("vision", False),
-        "max_images": settings.max_images,
-        "max_image_pixels": settings.max_image_pixels,
-        "queue_depth": engine.queue_depth,
-        "batching": engine.batching,
-        "active_rows": engine.active_rows,
-        "max_queue": engine.max_queue,
-        "prefix_cache": engine.prefix_cache.stats() if engine.prefix_cache else None,
-        "kv_memory": engine.kv_memory,
-        "defaults": request_defaults(settings),
+        "max_images": own.max_images,
+        "max_image_pixels": own.max_image_pixels,
+        "queue_depth": models.queue_depth if models.multi else _depth(engine),
+        "batching": engine.batching if engine is not None else own.batching,
+        "active_rows": engine.active_rows if engine is not None else 0,
+        "max_queue": engine.max_queue if engine is not None else own.max_queue,
+        "prefix_cache": engine.prefix_cache.stats() if engine and engine.prefix_cache else None,
+        "kv_memory": engine.kv_memory if engine is not None else None,
+        "defaults": request_defaults(own),
     }
-    if engine.error:
-        body["error"] = engine.error
-    return JSONResponse(body, status_code=200 if engine.state == "ready" else 503)
+    if models.multi:
+        body["model_states"] = [s.describe() for s in models.slots]
+        body["model_memory"] = models.memory()
+    if models.error:
+        body["error"] = models.error
+    return JSONResponse(body, status_code=200 if models.state == "ready" else 503)
+
+
+def _depth(engine: Engine | None) -> int:
+    return engine.queue_depth if engine is not None else 0

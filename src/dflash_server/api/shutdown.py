@@ -17,6 +17,7 @@ from collections.abc import Generator
 
 import uvicorn
 
+from dflash_server.engine.models import ModelSet
 from dflash_server.engine.worker import Engine
 
 log = logging.getLogger("dflash_server")
@@ -25,7 +26,7 @@ log = logging.getLogger("dflash_server")
 class GracefulServer(uvicorn.Server):
     """A uvicorn server that drains the engine before uvicorn's own shutdown runs."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Engine | ModelSet, grace: float) -> None:
         super().__init__(config)
         self.engine, self.grace = engine, grace
         # sse-starlette would cancel every stream the moment a signal arrives; the engine

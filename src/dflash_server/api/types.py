@@ -223,6 +223,13 @@ class ModelCard(BaseModel):
     # and "image" when prompts may hold images.
     capabilities: list[str] | None = None
     modalities: dict[str, list[str]] | None = None
+    # Where it stands and what it is (LM Studio's state and type, in the words):
+    # loaded, loading or unloaded; chat or embeddings.
+    state: Literal["loaded", "loading", "unloaded"] | None = None
+    kind: Literal["chat", "embeddings"] | None = None
+    aliases: list[str] | None = None
+    pinned: bool | None = None
+    dimensions: int | None = None  # an embeddings model's vector width, once loaded
 
 
 class ModelList(BaseModel):

@@ -186,9 +186,12 @@ def build_ledger(
     *,
     padded: bool,
     kv: KVQuant | None = None,
+    default_cap: int | None = None,
 ) -> KVLedger | None:
     """The loaded pair's ledger (None: no budget). ``max_kv_memory``: bytes, 0 for none, None
-    for the default (``default_budget`` of the memory in use now: the weights, after loading)."""
+    for the default (``default_budget`` of the memory in use now: the weights, after loading;
+    with ``default_cap``, one of several models: one request at the context length, at most
+    the cap, docs/operations.md "Several models")."""
     if max_kv_memory == 0:
         log.info("KV memory budget: none (--max-kv-memory 0)")
         return None
@@ -198,7 +201,10 @@ def build_ledger(
     if geometry is None:
         log.warning("KV memory budget: none (the target's cache layout is not one it can size)")
         return None
-    if max_kv_memory is None:
+    if max_kv_memory is None and default_cap is not None:
+        whole = KVLedger(geometry, 0, padded=padded, kv=kv).alone(s.context_length)
+        budget, how = min(whole, default_cap), "one request at the context length"
+    elif max_kv_memory is None:
         weights = mx.get_active_memory()
         budget, how = default_budget(weights, prefix_cache), "default"
     else:

@@ -23,8 +23,9 @@ from dflash_server.engine.summary import ModelSummary, ServedModel, summarize
 from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.pair import ModelPair
+from dflash_server.generation.pauses import pause, progress
 from dflash_server.models.hooks import HookError
-from dflash_server.models.loading import load, resolve_model_path
+from dflash_server.models.loading import flat_arrays, load, resolve_model_path
 from dflash_server.models.vision import load_vision
 
 log = logging.getLogger("dflash_server")
@@ -104,6 +105,17 @@ class LoadedModels:
     calibration: CalibrationCache = field(default_factory=lambda: CalibrationCache(None, ""))
 
     @property
+    def weight_bytes(self) -> int:
+        """The bytes of every loaded weight: target, drafter (a drafter borrowing the target's
+        head holds none of it), vision tower."""
+        pair = self.pair
+        modules = [pair.model, pair.draft, pair.vision.tower if pair.vision else None]
+        arrays = {
+            id(a): a for m in modules if m is not None for _, a in flat_arrays(m.parameters())
+        }
+        return sum(a.nbytes for a in arrays.values())
+
+    @property
     def served(self) -> ServedModel:
         """What the API may see of it."""
         pair = self.pair
@@ -144,7 +156,12 @@ def load_models(
     announce_kernels()
     try:
         with phase("target weights loaded"):
-            model, tokenizer = load(str(target_path), group)
+            progress("reading the target's weights")
+            if group is None:  # read in pieces, so other models' passes run between them
+                model, tokenizer = load(str(target_path), lazy=True)
+                evaluate_in_pieces(model)
+            else:
+                model, tokenizer = load(str(target_path), group)
     except Exception as exc:  # mlx-lm raises many types; the user needs the first line
         how = f" sharded over {group.size()} ranks" if group is not None else ""
         raise ModelLoadError(
@@ -152,6 +169,8 @@ def load_models(
         ) from exc
     tower = None
     if vision:
+        progress("loading the vision tower")
+        pause()
         try:
             with phase("vision tower loaded"):
                 tower = load_vision(target_path)
@@ -164,6 +183,8 @@ def load_models(
     draft_path = None
     if draft is not None:
         draft_path = target_path if draft == MTP else resolve_model(draft, "draft", DRAFT_PATTERNS)
+        progress("loading the drafter")
+        pause()
         try:
             with phase("drafter loaded"):
                 drafter = load_drafter(
@@ -179,6 +200,8 @@ def load_models(
     calibration = CalibrationCache(calibration_cache, fingerprint)
     if group is not None:  # the ranks measure together: fixed counts, all cached or none
         calibration = AgreedCalibration(group, calibration_cache, fingerprint)
+    progress("checking the target's hooks")
+    pause()
     try:  # install the target's hooks now: their self-check fails here, not mid-request
         with phase("target hooks installed and checked"):
             pair = ModelPair.build(
@@ -196,8 +219,10 @@ def load_models(
             )
     except HookError as exc:
         raise ModelLoadError(f"cannot use target {target_label!r}: {exc}") from exc
+    pause()
     costs = None
     if measure and (drafter is not None or suffix_tokens):  # without either, nothing to choose
+        progress("measuring cycle costs")
         costs = pair.costs.get(suffix_tokens + 1 if suffix_tokens else 0)  # maybe read back
     summary = summarize(
         target_label,
@@ -214,6 +239,27 @@ def load_models(
         active_memory_gb=round(mx.get_active_memory() / 1e9, 4),
     )
     return LoadedModels(pair, summary, calibration)
+
+
+# The bytes of weights read per piece: about one pass's time, so a load never holds the
+# worker long (docs/design.md, "Several models").
+WEIGHT_PIECE_BYTES = 64 * 2**20
+
+
+def evaluate_in_pieces(model: Any, piece_bytes: int = WEIGHT_PIECE_BYTES) -> None:
+    """Read a lazily loaded model's weights a piece at a time, pausing between pieces."""
+    arrays = [a for _, a in flat_arrays(model.parameters())]
+    total = sum(a.nbytes for a in arrays) or 1
+    done, piece, size = 0, [], 0
+    for array in arrays:
+        piece.append(array)
+        size += array.nbytes
+        if size >= piece_bytes or array is arrays[-1]:
+            mx.eval(piece)
+            done += size
+            progress(f"reading the target's weights ({100 * done // total}%)")
+            pause()
+            piece, size = [], 0
 
 
 def _fingerprint(target: Path, draft: Path | None, group: Any = None) -> str:
@@ -257,6 +303,7 @@ def make_batch(
         measure = partial(
             measure_pass_costs, pair.target, pair.draft, growth=growth, fixed=pair.costs.fixed
         )
+        progress("measuring batched passes")
         costs = models.calibration.fetch("batch", PassCosts, measure)
         log.info("%s", costs.describe())
     return BatchDecoder(pair.target, max_verify, costs, kv)

@@ -19,6 +19,7 @@ the step, and a lost rank ends every request with a 503 (``abort``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from dflash_server.engine.streams import RowStreams, Streams
 from dflash_server.engine.summary import ServedModel
 from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.kv_quant import KVQuant
+from dflash_server.generation.pauses import pause
 from dflash_server.generation.speculative import LoneRows
 
 if TYPE_CHECKING:
@@ -74,7 +76,14 @@ class Engine:
         lockstep: Leader | None = None,
         kv: KVQuant | None = None,
         max_kv_memory: int | None = None,
+        managed: bool = False,
+        cond: threading.Condition | None = None,
+        kv_default_cap: int | None = None,
     ) -> None:
+        """``managed``: one of several models, driven by ``engine/models.py``'s worker (no
+        thread of its own; ``cond`` is that worker's, so a submission wakes it);
+        ``kv_default_cap``: with no ``max_kv_memory``, the KV budget is one request at the
+        context length, at most this (None: the one-model default)."""
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         if lockstep is not None and (batching != "batched" or streams is not None):
@@ -105,7 +114,9 @@ class Engine:
         self.served: ServedModel | None = None  # what the API sees of the models, once loaded
         self._pending: collections.deque[Job] = collections.deque()
         self._active: list[Run] = []
-        self._cond = threading.Condition()
+        self.managed, self._kv_default_cap = managed, kv_default_cap
+        self._cond = cond or threading.Condition()
+        self._held = contextlib.ExitStack()  # a managed engine's wired limit, while loaded
         self._stopping = False
         self._draining = False
         self._aborted = False
@@ -116,8 +127,9 @@ class Engine:
 
     # ----- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
-        """Start the worker (it loads the models first); calling it again does nothing."""
-        if self._thread.ident is None:
+        """Start the worker (it loads the models first); calling it again does nothing (nor
+        does it for a managed engine: its models' worker drives it)."""
+        if self._thread.ident is None and not self.managed:
             self._thread.start()
 
     def drain(self) -> None:
@@ -247,34 +259,9 @@ class Engine:
             mx.clear_streams()  # exits (docs/development.md, "MLX on other threads")
 
     def _main(self) -> None:
-        try:
-            self.models = self._loader()
-            if self.kv is not None:
-                self.kv.check_model(self.models.pair.model)
-        except (ModelLoadError, ValueError) as exc:
-            self._fail(str(exc))
+        if not self.load():
             return
-        except Exception as exc:
-            log.exception("model loading failed")
-            self._fail(f"model loading failed: {exc}")
-            return
-        if self.batching == "batched":
-            self.batch = self.rows = make_batch(self.models, self.max_verify, self.kv)
-        self.streams = (self._streams or self._row_streams)(self.models)
-        if self._auto_active:
-            supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
-            self.max_active = max(4, supported)
-            log.info("max_active: %d requests at once", self.max_active)
-        prefix = self.prefix_cache.budget if self.prefix_cache is not None else 0
-        padded = self.batching == "batched"
-        self.ledger = build_ledger(
-            self.models, self._max_kv_memory, prefix, padded=padded, kv=self.kv
-        )
-        self.served = self.models.served
-        self.state = "ready"
-        self._ready.set()
-        if self._on_ready is not None:
-            self._on_ready()
+        assert self.models is not None
         try:
             with self.models.pair.wired.held():  # for the engine's lifetime
                 while self._round():
@@ -290,18 +277,93 @@ class Engine:
             log.exception("the engine's round failed")
             self.abort(f"the engine's round failed ({exc}): restart every rank")
         finally:
-            for run in list(self._active):  # shutdown: every open stream gets a final event
-                run.job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
-                self._close(run)
-            if self.prefix_cache is not None:
-                self.prefix_cache.close()
+            self._teardown()
 
-    def _round(self) -> bool:
+    def load(self) -> bool:
+        """Load the models and get ready to admit requests (on the worker thread); False when
+        loading failed (``error`` says why)."""
+        try:
+            self.models = self._loader()
+            if self.kv is not None:
+                self.kv.check_model(self.models.pair.model)
+        except (ModelLoadError, ValueError) as exc:
+            self._fail(str(exc))
+            return False
+        except Exception as exc:
+            log.exception("model loading failed")
+            self._fail(f"model loading failed: {exc}")
+            return False
+        pause()  # with several models, the others run a pass here (generation/pauses.py)
+        if self.batching == "batched":
+            self.batch = self.rows = make_batch(self.models, self.max_verify, self.kv)
+            pause()
+        self.streams = (self._streams or self._row_streams)(self.models)
+        if self._auto_active:
+            supported = self.batch.costs.rows_supported() if self.batch and self.batch.costs else 4
+            self.max_active = max(4, supported)
+            log.info("max_active: %d requests at once", self.max_active)
+        prefix = self.prefix_cache.budget if self.prefix_cache is not None else 0
+        padded = self.batching == "batched"
+        self.ledger = build_ledger(
+            self.models, self._max_kv_memory, prefix, padded=padded, kv=self.kv,
+            default_cap=self._kv_default_cap,
+        )  # fmt: skip
+        self.served = self.models.served
+        if self.managed:
+            self._held.enter_context(self.models.pair.wired.held())
+        self.state = "ready"
+        self._ready.set()
+        if self._on_ready is not None:
+            self._on_ready()
+        return True
+
+    def _teardown(self) -> None:
+        """Every open stream gets a final event; the prefix cache is closed."""
+        for run in list(self._active):  # shutdown: every open stream gets a final event
+            run.job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
+            self._close(run)
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
+
+    @property
+    def has_work(self) -> bool:
+        """Requests wait or run (a managed engine's worker asks before each round)."""
+        with self._cond:
+            return bool(self._pending or self._active)
+
+    @property
+    def weight_bytes(self) -> int:
+        """What its loaded weights take (0 before loading)."""
+        return self.models.weight_bytes if self.models is not None else 0
+
+    def round_once(self) -> None:
+        """A managed engine's round: admit, drop cancelled requests, one step (no waiting)."""
+        if self.state == "ready" and self.has_work:
+            self._round(wait=False)
+
+    def unload(self) -> None:
+        """Free a managed engine's models (on the worker, once it holds no request): its
+        prefix cache is closed, its wired limit released; it cannot be loaded again."""
+        with self._cond:
+            self._stopping = True
+            pending, self._pending = list(self._pending), collections.deque()
+        for job in pending:  # none when the models' worker unloads it: it is idle
+            job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
+        self._teardown()
+        self._held.close()
+        self.models = self.served = self.ledger = self.streams = self.batch = None
+        self.rows = LoneRows()
+        self._by_stream.clear()
+        self._token_texts = None
+        self.state = "unloaded"
+
+    def _round(self, wait: bool = True) -> bool:
         """Admit waiting jobs up to ``max_active``, drop cancelled ones, then one step of the
-        streams; each response (or error) goes to its request."""
+        streams; each response (or error) goes to its request. ``wait``: block until there is
+        work (a managed engine's worker waits for all its models instead)."""
         heartbeat = self.lockstep.heartbeat_s if self.lockstep is not None else None
         with self._cond:
-            while not self._pending and not self._active and not self._stopping:
+            while wait and not self._pending and not self._active and not self._stopping:
                 if not self._cond.wait(heartbeat) and heartbeat is not None:
                     break  # idle: the round still runs, so the other ranks hear from this one
             if self._stopping:

@@ -25,6 +25,7 @@ from dflash_server.adaptive.costs import CostModel, context_past, rising
 from dflash_server.adaptive.policy import SUFFIX, Choice, FixedBlock
 from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.drafters.suffix import Proposal, SuffixProposer
+from dflash_server.generation.pauses import pause
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -80,6 +81,7 @@ def measure_costs(
     draft_costs = rising(drafting)
     for width in range(2, block):  # compile every width's graphs now, not in a request
         if width not in verify:
+            pause()
             short.verify(width)()
             short.drafting(width)()
     slope: dict[int, float] = {}
@@ -155,10 +157,12 @@ class _Pieces:
 
     def timed(self, run: Any) -> float:
         """Median of ``run()``'s own timings (it times only what a cycle would pay)."""
+        pause()  # other models' passes run between timings, never inside one
         run()  # warm-up: kernels, allocations, compiled graphs
         runs: list[float] = []
         fixed = self.deadline is None
         while len(runs) < 3 or (not fixed and len(runs) < 9 and sum(runs) < 0.1):
+            pause()
             runs.append(run())
             if self.deadline is not None and time.perf_counter() > self.deadline:
                 break
@@ -256,6 +260,7 @@ def _calibrate(
     gaps: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(rounds):
         for width in widths:
+            pause()
             gaps[width] += periods(width, 6 if width == 1 else 3)
     # The lower quartile, not the median: a busy moment on a shared machine only adds time,
     # and one that spans half the calibration would otherwise steer every request's choices.
@@ -292,6 +297,7 @@ def _calibrate_copies(
     drafter pass: what suffix drafts cost in the loop, which component timings miss)."""
     loop: dict[int, float] = {}
     for width in widths:
+        pause()
         proposer = SuffixProposer(prompt)
         row = Row(
             target, draft, TokenSampler(SamplingParams()), _Copies(width, costs), suffix=proposer

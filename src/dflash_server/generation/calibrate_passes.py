@@ -12,6 +12,7 @@ from mlx_lm.generate import generation_stream
 from dflash_server.adaptive.costs import CostModel, rising
 from dflash_server.adaptive.pass_costs import PassCosts
 from dflash_server.drafters.protocol import Drafter, DraftRow
+from dflash_server.generation.pauses import pause
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.target import TargetModel
 
@@ -70,9 +71,12 @@ def measure_pass_costs(
                     c.cache = list(slots)
             return seconds
 
+        pause()  # other models' passes run between timings (generation/pauses.py)
         once()  # warm-up
+        pause()
         runs = [once()]
         while len(runs) < 3 and (fixed or time.perf_counter() - start < budget_s):
+            pause()
             runs.append(once())
         return statistics.median(runs)
 

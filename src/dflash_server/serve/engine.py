@@ -4,6 +4,7 @@ several ranks (``ranks.py`` runs the other ranks), and the app around it (``serv
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,8 @@ def build_engine(
     streams: StreamsFn | None = None,
     metrics: Metrics | None = None,
     group: Any = None,
+    managed: threading.Condition | None = None,
+    kv_default_cap: int | None = None,
 ) -> Engine:
     """An engine that loads the configured models on its worker thread and logs what it got.
 
@@ -117,7 +120,9 @@ def build_engine(
     ``streams``: a double for the running requests (tests); ``metrics`` hears of every batched
     pass.
     ``group``: the MLX distributed group this is rank 0 of; the other ranks follow its rounds
-    (``serve/ranks.py``).
+    (``serve/ranks.py``). ``managed``: one of several models, driven by the models' worker
+    (``engine/models.py``) whose condition this is; ``kv_default_cap``: its default KV budget's
+    cap.
     """
     prefix_cache = prefix_cache_of(settings)
     loader = build_loader(
@@ -142,10 +147,13 @@ def build_engine(
         kv=settings.kv_quant,
         streams=streams,
         on_fatal=on_fatal,
-        on_ready=ready,
+        on_ready=ready if managed is None else None,  # else the models' worker says it
         prefix_cache=prefix_cache,
         on_pass=metrics.observe_pass if metrics is not None else None,
         lockstep=leader,
         max_kv_memory=settings.kv_memory_bytes,
+        managed=managed is not None,
+        cond=managed,
+        kv_default_cap=kv_default_cap,
     )
     return engine

@@ -18,7 +18,11 @@ from dflash_server.api.metrics import Metrics
 from dflash_server.api.read_timeout import http_protocol
 from dflash_server.api.shutdown import GracefulServer
 from dflash_server.engine.blas import blas_hint
+from dflash_server.engine.models import ModelSet
+from dflash_server.engine.worker import Engine
+from dflash_server.models_file import ModelEntry
 from dflash_server.serve.engine import build_engine
+from dflash_server.serve.models import build_models
 from dflash_server.settings import Settings
 
 log = logging.getLogger("dflash_server")
@@ -57,9 +61,16 @@ class _Server(GracefulServer):
         super().handle_exit(sig, frame)
 
 
-def serve(settings: Settings, target_path: str, draft_path: str | None, group: Any = None) -> int:
+def serve(
+    settings: Settings,
+    target_path: str | None,
+    draft_path: str | None,
+    group: Any = None,
+    entries: list[ModelEntry] | None = None,
+) -> int:
     """Run uvicorn until shutdown; the engine loads the models on its worker meanwhile (rank 0
-    of ``group``, when the target is sharded over several machines)."""
+    of ``group``, when the target is sharded over several machines). ``entries``: a models
+    file's models instead (loaded when asked for)."""
     failure: list[str] = []
     server: _Server | None = None
 
@@ -71,14 +82,18 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
     if (hint := blas_hint()) is not None:
         log.warning("%s", hint)
     metrics = Metrics() if settings.metrics else None
-    engine = build_engine(
-        settings,
-        target_path=target_path,
-        draft_path=draft_path,
-        on_fatal=on_fatal,
-        metrics=metrics,
-        group=group,
-    )
+    engine: Engine | ModelSet
+    if entries is not None:
+        engine = build_models(settings, entries, metrics=metrics, on_fatal=on_fatal)
+    else:
+        engine = build_engine(
+            settings,
+            target_path=target_path,
+            draft_path=draft_path,
+            on_fatal=on_fatal,
+            metrics=metrics,
+            group=group,
+        )
     app = create_app(settings, engine, metrics)
     config = uvicorn.Config(
         app,
@@ -90,7 +105,8 @@ def serve(settings: Settings, target_path: str, draft_path: str | None, group: A
     )
     server = _Server(config, engine, settings.shutdown_timeout)
     sharded = "" if group is None else f", the target sharded over {group.size()} ranks"
-    log.info("loading %s + %s%s", settings.target, settings.drafter or "no drafter", sharded)
+    if entries is None:
+        log.info("loading %s + %s%s", settings.target, settings.drafter or "no drafter", sharded)
     # uvicorn re-raises Ctrl-C after its graceful shutdown; that is a normal exit here.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()

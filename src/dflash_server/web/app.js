@@ -8,7 +8,10 @@ import { assistantHtml } from "./views.js";
 const $ = (id) => document.getElementById(id);
 // Settings v2 keep only what the user set; the first version kept every field, so a stored
 // temperature or thinking switch could not tell a choice from the page's old defaults.
-const KEYS = { apiKey: "dflash.apiKey", settings: "dflash.settings.v2", chat: "dflash.conversation" };
+const KEYS = {
+  apiKey: "dflash.apiKey", settings: "dflash.settings.v2", chat: "dflash.conversation",
+  model: "dflash.model",
+};
 
 const state = {
   model: null, // served model id, from /health
@@ -78,7 +81,9 @@ async function pollHealth() {
   try {
     const res = await fetch("/health");
     const body = await res.json();
-    state.model = (body.models || [])[0] || null;
+    const chosen = localStorage.getItem(KEYS.model);
+    state.model = (body.models || []).includes(chosen) ? chosen : (body.models || [])[0] || null;
+    if ((body.models || []).length > 1) listModels();
     if (body.block_size) $("block-size").max = String(body.block_size);
     if (body.defaults) showDefaults(body.defaults);
     state.attachments.configure(body);
@@ -93,6 +98,36 @@ async function pollHealth() {
     $("server-status").textContent = "server unreachable, retrying…";
   }
   if (retry) setTimeout(pollHealth, retry);
+}
+
+// The model menu (a server with several models): its chat models, each with its state; the
+// choice is kept in this browser. An unloaded model loads when a message is sent to it.
+async function listModels() {
+  const headers = {};
+  const key = $("api-key").value.trim();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  try {
+    const res = await fetch("/v1/models", { headers });
+    if (!res.ok) return;
+    const chat = (await res.json()).data.filter((m) => m.kind !== "embeddings");
+    const menu = $("model-select");
+    menu.replaceChildren(...chat.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      option.textContent = m.state && m.state !== "loaded" ? `${m.id} (${m.state})` : m.id;
+      option.selected = m.id === state.model;
+      return option;
+    }));
+    menu.hidden = chat.length < 2;
+  } catch {
+    // the status line already says when the server is unreachable
+  }
+}
+
+function chooseModel() {
+  state.model = $("model-select").value;
+  localStorage.setItem(KEYS.model, state.model);
+  $("server-status").textContent = `${state.model} · chosen`;
 }
 
 // ----- rendering -----------------------------------------------------------------------------
@@ -364,6 +399,8 @@ function init() {
   });
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", newChat);
+  $("model-select").addEventListener("change", chooseModel);
+  $("model-select").addEventListener("focus", listModels);
   pollHealth();
 }
 
