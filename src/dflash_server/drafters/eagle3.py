@@ -35,9 +35,14 @@ from mlx_lm.models.rope_utils import initialize_rope
 from dflash_server.drafters.dflash import MLP
 from dflash_server.drafters.eagle3_config import FIT, Eagle3Config, default_taps
 from dflash_server.drafters.protocol import ContextLayer, Drafted, DraftRow, Family
-from dflash_server.drafters.stepwise import PendingHidden, ShiftedContext, Walk, batch_of
+from dflash_server.drafters.stepwise import (
+    Walk,
+    batch_of,
+    kv_context_layers,
+    row_cache,
+)
 from dflash_server.models.loading import load_arrays, load_checkpoint
-from dflash_server.models.target_parts import find_target_parts, float_bytes
+from dflash_server.models.target_parts import find_target_parts
 
 __all__ = ["FAMILY", "Eagle3Config", "Eagle3Drafter", "default_taps"]
 
@@ -199,15 +204,10 @@ class Eagle3Drafter(nn.Module):
 
     def context_layers(self, activation_bytes: int) -> tuple[ContextLayer, ...]:
         """Each layer's K/V over every committed position (the pending g is one position)."""
-        out = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            width = attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
-            out.append(ContextLayer(width * max(activation_bytes, float_bytes(attn.k_proj)), None))
-        return tuple(out)
+        return kv_context_layers(self.layers, activation_bytes)
 
     def make_cache(self) -> list[Any]:
-        return [ShiftedContext() for _ in self.layers] + [PendingHidden()]
+        return row_cache(len(self.layers))
 
     def append_context(self, taps: mx.array, cache: list[Any], tokens: mx.array) -> None:
         """Pair each new committed position's g with the token after it (the newest waits in

@@ -29,9 +29,14 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from dflash_server.drafters.protocol import ContextLayer, Drafted, DraftRow, Family
-from dflash_server.drafters.stepwise import PendingHidden, ShiftedContext, Walk, batch_of
+from dflash_server.drafters.stepwise import (
+    Walk,
+    batch_of,
+    kv_context_layers,
+    row_cache,
+)
 from dflash_server.models.loading import load_arrays, load_checkpoint, resolve_model_path
-from dflash_server.models.target_parts import find_target_parts, float_bytes
+from dflash_server.models.target_parts import find_target_parts
 
 DEFAULT_BLOCK = 8  # the widest cycle it may verify (1 + drafts); "auto" picks 1..this
 
@@ -108,15 +113,10 @@ class MTPDrafter(nn.Module):
     def context_layers(self, activation_bytes: int) -> tuple[ContextLayer, ...]:
         """The layer's K/V over every committed position (its pending hidden state is one
         position, not counted)."""
-        out = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            width = attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
-            out.append(ContextLayer(width * max(activation_bytes, float_bytes(attn.k_proj)), None))
-        return tuple(out)
+        return kv_context_layers(self.layers, activation_bytes)
 
     def make_cache(self) -> list[Any]:
-        return [ShiftedContext() for _ in self.layers] + [PendingHidden()]
+        return row_cache(len(self.layers))
 
     def append_context(self, target_hidden: mx.array, cache: list[Any], tokens: mx.array) -> None:
         """Pair each new committed position with the token after it (the next position's

@@ -15,11 +15,13 @@ head draw each draft from the one before, and run every row's step in one pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from dflash_server.drafters.protocol import Drafted, DraftRow
+from dflash_server.drafters.protocol import ContextLayer, Drafted, DraftRow
+from dflash_server.models.target_parts import float_bytes
 
 
 class Walk:
@@ -125,3 +127,20 @@ class PendingHidden:
     def restore(self, snapshot: tuple[mx.array, mx.array, int] | None) -> None:
         self.hidden = None if snapshot is None else snapshot[0][:, 0]
         self.offset = 0 if snapshot is None else snapshot[2]
+
+
+def row_cache(layers: int) -> list[Any]:
+    """A fresh context for one row of a token-by-token drafter: each layer's K/V, then the
+    newest committed position's pending state."""
+    return [ShiftedContext() for _ in range(layers)] + [PendingHidden()]
+
+
+def kv_context_layers(layers: Sequence[Any], activation_bytes: int) -> tuple[ContextLayer, ...]:
+    """Each attention layer's K/V over every committed position (the pending state is one
+    position, not counted), for the KV budget."""
+    out = []
+    for layer in layers:
+        attn = layer.self_attn
+        width = attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
+        out.append(ContextLayer(width * max(activation_bytes, float_bytes(attn.k_proj)), None))
+    return tuple(out)
