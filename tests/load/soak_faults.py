@@ -1,4 +1,4 @@
-"""The soak's server process and the faults it suffers (tests/load/soak.py).
+"""The soak's server processes and the faults they suffer (tests/load/soak.py).
 
 ``Server`` runs ``dflash-serve`` (``python -m dflash_server.cli``) as a subprocess, its log in a
 file; ``DiskFolder`` is the prefix cache's disk tier on a small tmpfs (when this process may
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -151,31 +152,64 @@ async def many_connections(base: str, n: int = 500) -> dict[str, Any]:
             "ok": counts.get("200", 0) == n}  # fmt: skip
 
 
-async def kill_during_write(server: Server, folder: Path, wait: float = 60) -> dict[str, Any]:
-    """``kill -9`` the server the moment a disk-tier file is being written (a file in
-    ``.partial/``), or at the end of ``wait`` seconds if none was seen."""
-    partial = folder / ".partial"
-    assert server.proc is not None
-    pid = server.proc.pid
+# The watcher of ``kill_during_write``, in a process of its own: the soak's own threads share
+# one GIL with its busy event loop, and a small file can be written and renamed in the
+# milliseconds a thread waits for it. Seeing a file, it stops the server (SIGSTOP, every thread
+# of it), looks again, and kills it only if a file is still there; else it lets it go on.
+WATCHER = """
+import json, os, signal, sys, time
+folder, pid, wait = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 
-    def watch() -> list[str]:
-        end = time.monotonic() + wait
-        while time.monotonic() < end:
-            try:
-                names = os.listdir(partial)
-            except FileNotFoundError:
-                names = []
-            if names:
-                os.kill(pid, signal.SIGKILL)
-                return names
-        os.kill(pid, signal.SIGKILL)
+def names():
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
         return []
 
-    seen = await asyncio.to_thread(watch)
+def state(task):
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "X"  # a thread that just ended
+
+def stopped():
+    return all(state(t) in "tTZX" for t in os.listdir(f"/proc/{pid}/task"))
+
+end, misses = time.monotonic() + wait, 0
+while time.monotonic() < end:
+    if names():
+        os.kill(pid, signal.SIGSTOP)
+        frozen = time.monotonic() + 2
+        while not stopped() and time.monotonic() < frozen:
+            pass
+        held = names()
+        if held:
+            break
+        misses += 1
+        os.kill(pid, signal.SIGCONT)
+else:
+    held = []
+os.kill(pid, signal.SIGKILL)
+print(json.dumps({"held": held, "misses": misses}))
+"""
+
+
+async def kill_during_write(server: Server, folder: Path, wait: float = 60) -> dict[str, Any]:
+    """``kill -9`` the server while a disk-tier file is being written (a file in
+    ``.partial/``), or at the end of ``wait`` seconds if none was caught."""
+    partial = folder / ".partial"
+    assert server.proc is not None
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WATCHER, str(partial), str(server.proc.pid), str(wait),
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    seen = json.loads((await watcher.communicate())[0])
     server.proc.wait(30)
     left = sorted(p.name for p in partial.glob("*")) if partial.is_dir() else []
     sizes = {p.name: p.stat().st_size for p in partial.glob("*")} if partial.is_dir() else {}
-    return {"mid_write": bool(seen), "partial_seen": seen, "left_in_partial": left,
+    return {"mid_write": bool(seen["held"]), "partial_seen": seen["held"],
+            "writes_finished_first": seen["misses"], "left_in_partial": left,
             "partial_sizes": sizes}  # fmt: skip
 
 

@@ -1,5 +1,7 @@
 """The soak's memory samples and their analysis (tests/load/soak.py): RSS, MLX memory and the
 caches' own sizes from /metrics, and per server run whether growth is a cache's, within budget.
+Each sample also holds the tokens committed so far by source (drafter, suffix copy, plain step):
+counters that start again at each server run, so ``committed_by_source`` sums each run's last.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 MB = 2**20
-BUDGETS = {"prefix_ram": 2 * MB, "prefix_disk": 5 * MB, "suffix": 2 * MB}  # the soak's server
+BUDGETS = {"prefix_ram": 2 * MB, "prefix_disk": 5 * MB, "suffix": 2 * MB}  # each soak server
+SOURCES = ("drafter", "suffix", "plain")  # dflash_committed_tokens{source=...}
 
 
 async def memory_sample(base: str, segment: int, t: float) -> dict[str, float] | None:
@@ -21,9 +24,13 @@ async def memory_sample(base: str, segment: int, t: float) -> dict[str, float] |
     except httpx.TransportError:
         return None  # restarting
     m = {
-        (s.name, s.labels.get("kind", "")): s.value
+        (s.name, s.labels.get("kind", s.labels.get("source", ""))): s.value
         for f in text_string_to_metric_families(text)
         for s in f.samples
+    }
+    committed = {
+        f"{source}_tokens": m.get(("dflash_committed_tokens_total", source), 0.0)
+        for source in SOURCES
     }
     return {
         "t_s": round(t, 1),
@@ -36,10 +43,24 @@ async def memory_sample(base: str, segment: int, t: float) -> dict[str, float] |
         "prefix_disk_mb": m.get(("dflash_prefix_cache_disk_bytes", ""), 0) / MB,
         "suffix_mb": m.get(("dflash_suffix_index_bytes", ""), 0) / MB,
         "disk_writable": m.get(("dflash_prefix_cache_disk_writable", ""), 1),
+        **committed,
     }
 
 
-def memory_analysis(samples: list[dict], warmup_s: float = 60.0) -> dict[str, Any]:
+def committed_by_source(samples: list[dict]) -> dict[str, Any]:
+    """Tokens committed by each source over all server runs, and the suffix copies' share."""
+    total = dict.fromkeys(SOURCES, 0)
+    for segment in {s["segment"] for s in samples}:
+        last = [s for s in samples if s["segment"] == segment][-1]  # counters only grow
+        for source in SOURCES:
+            total[source] += int(last.get(f"{source}_tokens", 0))
+    n = sum(total.values())
+    return {**total, "suffix_share": round(total["suffix"] / n, 3) if n else None}
+
+
+def memory_analysis(
+    samples: list[dict], warmup_s: float = 60.0, server: str = "main"
+) -> dict[str, Any]:
     """Per server run: each cache's peak (against its budget), and the RSS growth that MLX's
     memory and the suffix index do not explain, from the first sample after ``warmup_s`` on (a
     run with fewer than 3 samples after it is too short to judge). The prefix cache's RAM tier
@@ -69,5 +90,5 @@ def memory_analysis(samples: list[dict], warmup_s: float = 60.0) -> dict[str, An
 
             entry["rss_growth_after_warmup_mb"] = round(run[-1]["rss_mb"] - base["rss_mb"], 1)
             entry["unexplained_max_growth_mb"] = round(max(unexplained(s) for s in warm), 1)
-        out[f"run {segment}"] = entry
+        out[f"{server} run {segment}"] = entry
     return out

@@ -1,17 +1,16 @@
-"""The soak's traffic (tests/load/soak.py): a deterministic mix of requests and the clients that
-send them.
+"""The soak's traffic (tests/load/soak.py): the clients that send a server's mix of requests
+(tests/load/soak_requests.py) and what came back.
 
-Request ``n`` of the mix is one of ``SPECS`` kinds: chat completions, Messages or Responses,
-streamed or not, plain, with tools (forced calls), with a JSON schema, or a second turn; three
-long system prompts are shared, so the prefix cache hits. Four in five are greedy: every greedy
-answer must equal the same request's solo run (``canonical`` compares the text, reasoning and
-tool calls, whatever the chunking). A streamed request is sometimes left after its first text
-(a client disconnect).
+The clients take turns at their server's mix (shuffled, seeded: ``Traffic.next_spec``); a
+streamed request is sometimes left after its first text (a client disconnect). Every greedy
+answer must equal the same request's solo run: ``canonical`` compares the text, reasoning and
+tool calls, whatever the chunking.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -19,89 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from soak_requests import PATHS, Spec, body
 
-SPECS = 48  # distinct request kinds; n and n + SPECS are the same request
-SYSTEMS = [
-    f"You are helper {k}. " + "Answer briefly, exactly and politely. " * 24 for k in range(3)
-]
-QUESTIONS = ["What is the capital of France?", "Name three colors.", "Count to five.", "Hi!"]
-PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
-    "required": ["city", "days"],
-}
-SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}},
-    "required": ["city", "sunny"],
-    "additionalProperties": False,
-}
-PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
-FEATURES = ("plain", "tools", "schema", "turn")
 TEXT_KEYS = {"content", "text", "arguments", "partial_json", "delta", "name", "reasoning_content"}
 TEXT_KEYS |= {"reasoning", "thinking", "finish_reason", "stop_reason", "refusal"}
-
-
-@dataclass(frozen=True)
-class Spec:
-    n: int
-    protocol: str
-    stream: bool
-    feature: str
-    greedy: bool
-    disconnect: bool  # leave after the first text (a client going away)
-
-
-def spec(n: int) -> Spec:
-    k = n % SPECS
-    protocol = ("chat", "messages", "responses")[k % 3]
-    stream = (k // 3) % 2 == 1
-    greedy = k % 5 != 4
-    return Spec(k, protocol, stream, FEATURES[(k // 6) % 4], greedy, stream and k % 7 == 3)
-
-
-def body(s: Spec) -> dict[str, Any]:
-    """The request body of ``s`` (sampled ones draw with a fixed seed)."""
-    system, question = SYSTEMS[s.n % 3], QUESTIONS[(s.n // 3) % 4]
-    turns: list[dict[str, Any]] = [{"role": "user", "content": question}]
-    if s.feature == "turn":  # a second turn: the first one's prefix is cached
-        turns = [
-            *turns,
-            {"role": "assistant", "content": "Sure."},
-            {"role": "user", "content": "Why?"},
-        ]
-    out: dict[str, Any] = {"stream": s.stream, "block_size": "auto" if s.n % 2 else 4}
-    out |= {"temperature": 0.0} if s.greedy else {"temperature": 0.9, "top_p": 0.95, "seed": s.n}
-    tokens = 16 + (s.n % 4) * 8
-    fn = {"name": "get_weather", "description": "Weather for a city"}
-    if s.protocol == "chat":
-        out |= {"messages": [{"role": "system", "content": system}, *turns], "max_tokens": tokens}
-        out["enable_thinking"] = False
-        if s.feature == "tools":
-            out["tools"] = [{"type": "function", "function": {**fn, "parameters": PARAMS}}]
-            out["tool_choice"] = "required"
-        elif s.feature == "schema":
-            out["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": "w", "schema": SCHEMA, "strict": True},
-            }
-            out["max_tokens"] = 64
-    elif s.protocol == "messages":
-        out |= {"model": "tiny", "system": system, "messages": turns, "max_tokens": tokens}
-        if s.feature in ("tools", "schema"):  # a forced tool call: its input follows the schema
-            out["tools"] = [{**fn, "input_schema": PARAMS if s.feature == "tools" else SCHEMA}]
-            out["tool_choice"] = {"type": "any"}
-            out["max_tokens"] = 64
-    else:
-        out |= {"model": "tiny", "instructions": system, "input": turns}
-        out["max_output_tokens"] = tokens
-        if s.feature == "tools":
-            out["tools"] = [{"type": "function", **fn, "parameters": PARAMS}]
-            out["tool_choice"] = "required"
-        elif s.feature == "schema":
-            fmt = {"type": "json_schema", "name": "w", "schema": SCHEMA, "strict": True}
-            out |= {"text": {"format": fmt}, "max_output_tokens": 64}
-    return out
+# Fields that echo the request (or count tokens), not the answer.
+ECHOED = ("usage", "dflash", "tools", "instructions", "text_format")
 
 
 def canonical(events: list[Any]) -> str:
@@ -114,7 +36,9 @@ def canonical(events: list[Any]) -> str:
             for k, v in obj.items():
                 if k in TEXT_KEYS and isinstance(v, str):
                     acc[k] = acc.get(k, "") + v
-                elif k not in ("usage", "dflash", "tools", "instructions", "text_format"):
+                elif k == "input" and isinstance(v, dict):  # a Messages tool call's arguments
+                    acc[k] = acc.get(k, "") + json.dumps(v, sort_keys=True)
+                elif k not in ECHOED:
                     walk(v)
         elif isinstance(obj, list):
             for v in obj:
@@ -187,11 +111,25 @@ async def _stream(http: httpx.AsyncClient, s: Spec, out: Outcome, t0: float) -> 
     out.answer = canonical(events)
 
 
+async def solo_references(base: str, specs: list[Spec]) -> dict[tuple[str, int], str]:
+    """Each greedy request of a mix run alone: the answer every later run must equal."""
+    refs = {}
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        for s in specs:
+            if s.greedy and not s.disconnect:
+                out = await send(http, s, "solo")
+                assert out.status == 200 and out.finished, (s, out)
+                refs[(s.server, s.n)] = out.answer
+    return refs
+
+
 @dataclass
 class Traffic:
-    """Clients sending the mix; their number changes every ``period`` s within 1..``most``."""
+    """Clients sending ``specs`` to one server; their number changes every ``period`` s within
+    1..``most``. One per server: a fault on one server pauses its clients only."""
 
     base: str
+    specs: list[Spec]
     most: int = 16
     period: float = 15.0
     seed: int = 0
@@ -200,7 +138,24 @@ class Traffic:
     paused: asyncio.Event = field(default_factory=asyncio.Event)  # set: clients hold off
     inflight: int = 0
     clients: int = 1
-    _stop: bool = False
+    stopped: bool = False
+    _queue: list[Spec] = field(default_factory=list)
+    _rng: random.Random = field(default_factory=random.Random)
+
+    def __post_init__(self) -> None:
+        self._rng.seed(self.seed)
+
+    def next_spec(self) -> Spec:
+        """The next request of the mix, shared by all clients: the mix goes round, shuffled, each
+        round one request of every kind first, then a second of every kind, and so on, so that
+        even a one-minute run meets every kind (a plain random pick can miss a rare one)."""
+        if not self._queue:
+            by_kind: dict[str, list[Spec]] = {}
+            for s in self._rng.sample(self.specs, len(self.specs)):
+                by_kind.setdefault(s.kind, []).append(s)
+            rounds = itertools.zip_longest(*by_kind.values())
+            self._queue = [s for r in rounds for s in r if s is not None]
+        return self._queue.pop(0)
 
     async def run(self) -> None:
         rng = random.Random(self.seed)
@@ -208,13 +163,13 @@ class Traffic:
         timeout = httpx.Timeout(120, connect=10)
         async with httpx.AsyncClient(base_url=self.base, timeout=timeout, limits=limits) as http:
             tasks = [asyncio.create_task(self._client(http, c)) for c in range(self.most)]
-            while not self._stop:
+            while not self.stopped:
                 self.clients = rng.randint(1, self.most)
                 await asyncio.sleep(self.period)
             await asyncio.gather(*tasks)
 
     def stop(self) -> None:
-        self._stop = True
+        self.stopped = True
 
     async def quiesce(self, timeout: float = 60) -> None:
         """Hold new requests and wait for those in flight."""
@@ -224,14 +179,13 @@ class Traffic:
             await asyncio.sleep(0.05)
 
     async def _client(self, http: httpx.AsyncClient, c: int) -> None:
-        rng = random.Random(self.seed * 1000 + c)
-        while not self._stop:
+        while not self.stopped:
             if c >= self.clients or self.paused.is_set():
                 await asyncio.sleep(0.2)
                 continue
             self.inflight += 1
             try:
-                out = await send(http, spec(rng.randrange(SPECS)), self.phase)
+                out = await send(http, self.next_spec(), self.phase)
             finally:
                 self.inflight -= 1
             if self.phase != "steady":  # ended during a fault: it is that fault's
