@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash_server.engine.loader import evaluate_in_pieces
+from dflash_server.generation.pauses import off_worker
 from dflash_server.models.embedding import CHUNK_TOKENS, EmbeddingModel
 
 log = logging.getLogger("dflash_server")
@@ -83,9 +85,13 @@ class Embedder:
         self.inputs_done = 0
 
     def load(self) -> bool:
-        """Load the model (on the worker); False when it failed (``error`` says why)."""
+        """Load the model (on the worker; built on a helper thread, its lazily read weights
+        evaluated in pieces: other models run between them); False when it failed (``error``
+        says why)."""
         try:
-            self.model = self._loader()
+            model = off_worker(self._loader)
+            evaluate_in_pieces(model.model, what="the embedding model's weights")
+            self.model = model
         except Exception as exc:
             log.exception("embedding model loading failed")
             self.state, self.error = "error", f"cannot load the embedding model: {exc}"

@@ -23,9 +23,9 @@ from dflash_server.engine.summary import ModelSummary, ServedModel, summarize
 from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.pair import ModelPair
-from dflash_server.generation.pauses import pause, progress
+from dflash_server.generation.pauses import off_worker, pause, progress
 from dflash_server.models.hooks import HookError
-from dflash_server.models.loading import flat_arrays, load, resolve_model_path
+from dflash_server.models.loading import KeptTokenizer, flat_arrays, load, resolve_model_path
 from dflash_server.models.vision import load_vision
 
 log = logging.getLogger("dflash_server")
@@ -136,6 +136,7 @@ def load_models(
     calibration_cache: str | Path | None = None,
     vision: bool = True,
     group: Any = None,
+    kept: KeptTokenizer | None = None,
 ) -> LoadedModels:
     """Load target (+ drafter, bound to it). Runs on the engine's worker thread: it is MLX work.
 
@@ -149,16 +150,22 @@ def load_models(
     ``calibration_cache``: the folder where measured costs are kept for the next load (None:
     measure every time); ``vision``: load the checkpoint's vision tower, if it has one.
     ``group``: the MLX distributed group to tensor-shard the target over (the drafter and the
-    vision tower are replicated); every rank calls this together.
+    vision tower are replicated); every rank calls this together. ``kept``: where the
+    tokenizer is kept for the next load of this model (several models).
     """
     target_label, draft_label = target_label or target, draft_label or draft
     target_path = resolve_model(target, "target", TARGET_PATTERNS)
     announce_kernels()
     try:
         with phase("target weights loaded"):
-            progress("reading the target's weights")
             if group is None:  # read in pieces, so other models' passes run between them
-                model, tokenizer = load(str(target_path), lazy=True)
+                progress("reading the target's config and tokenizer")
+                again = kept.get(target_path) if kept is not None else None
+                model, tokenizer = off_worker(
+                    lambda: load(str(target_path), lazy=True, tokenizer=again)
+                )
+                if kept is not None:
+                    kept.keep(target_path, tokenizer)
                 evaluate_in_pieces(model)
             else:
                 model, tokenizer = load(str(target_path), group)
@@ -246,18 +253,21 @@ def load_models(
 WEIGHT_PIECE_BYTES = 64 * 2**20
 
 
-def evaluate_in_pieces(model: Any, piece_bytes: int = WEIGHT_PIECE_BYTES) -> None:
+def evaluate_in_pieces(
+    model: Any, piece_bytes: int = WEIGHT_PIECE_BYTES, what: str = "the target's weights"
+) -> None:
     """Read a lazily loaded model's weights a piece at a time, pausing between pieces."""
     arrays = [a for _, a in flat_arrays(model.parameters())]
     total = sum(a.nbytes for a in arrays) or 1
     done, piece, size = 0, [], 0
+    progress(f"reading {what}")
     for array in arrays:
         piece.append(array)
         size += array.nbytes
         if size >= piece_bytes or array is arrays[-1]:
             mx.eval(piece)
             done += size
-            progress(f"reading the target's weights ({100 * done // total}%)")
+            progress(f"reading {what} ({100 * done // total}%)")
             pause()
             piece, size = [], 0
 

@@ -1,21 +1,20 @@
 """Several models on one worker (docs/design.md, "Several models"; docs/operations.md, "Several
-models"): the one place that loads, unloads and keeps within the memory budget.
+models"): the requests' side (which model, its leases, waiting for its load) and the worker.
 
 One thread owns every MLX call. Each turn it runs one round of every loaded model with work
-(a chat model's batched pass, an embedding model's piece), then unloads what outlived its
-idle ``ttl`` or was asked to go, then loads one model that was asked for: first the least
-recently used idle, unpinned models are unloaded until it fits the budget. Its load runs on
-this thread too, and at every pause point (between two pieces of its weights, between two of
-its cost measurements: ``generation/pauses.py``) the other models run one round, so a load
-never holds their streams for longer than one piece. A model is loaded once at a time whatever
-the requests that ask for it, and never unloaded while a request waits for it or runs on it
-(its leases). With one model (``--target``) the engine keeps its own thread and this is a view.
+(a chat model's batched pass, an embedding model's piece), then ``model_residency.py`` unloads
+what outlived its idle ``ttl`` or was asked to go, and loads one model that was asked for,
+making room for it within the memory budget. Its load runs on this thread too, and at every
+pause point (between two pieces of its weights, between two of its cost measurements:
+``generation/pauses.py``) the other models run one round, so a load never holds their streams
+for longer than one piece. A model is loaded once at a time whatever the requests that ask for
+it, and never unloaded while a request waits for it or runs on it (its leases). With one model
+(``--target``) the engine keeps its own thread and this is a view.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 import time
@@ -24,20 +23,18 @@ from collections.abc import Awaitable, Callable
 import mlx.core as mx
 
 from dflash_server.engine.jobs import EngineNotReady
+from dflash_server.engine.model_residency import Residency
 from dflash_server.engine.model_slots import (
     EMBEDDINGS,
     LOADED,
     LOADING,
     UNLOADED,
     ModelSpec,
-    Resident,
     Slot,
 )
 from dflash_server.engine.worker import SHUTDOWN, Engine
-from dflash_server.generation.pauses import pausing
 
 log = logging.getLogger("dflash_server")
-ROOM_WAIT_S = 60.0  # a load waits this long for busy models to free the memory it needs
 
 
 class ModelLoadFailed(Exception):
@@ -59,13 +56,16 @@ class ModelSet:
     ) -> None:
         self.slots = [Slot(spec) for spec in specs]
         self._names = {name: slot for slot in self.slots for name in slot.spec.names}
-        self.budget, self.single = budget, single
+        self.single = single
         self._on_fatal, self._on_ready = on_fatal, on_ready
         self._cond = threading.Condition()
         self._stopping = self._draining = self._nested = False
         self._state = "loading"  # "ready" once the pinned models are loaded
         self._error: str | None = None
-        self.current: Slot | None = None  # the slot being loaded
+        self.residency = Residency(
+            self.slots, budget, self._cond, pause=self._between, on_loaded=self._loaded,
+            on_failed=self._failed,
+        )  # fmt: skip
         self._thread = threading.Thread(target=self._thread_main, name="dflash-models", daemon=True)
         if single is not None:
             self.slots[0].resident = single
@@ -73,6 +73,11 @@ class ModelSet:
     @property
     def cond(self) -> threading.Condition:
         return self._cond
+
+    @property
+    def budget(self) -> int:
+        """Bytes the loaded models may take together (0: no limit)."""
+        return self.residency.budget
 
     @property
     def state(self) -> str:
@@ -136,7 +141,7 @@ class ModelSet:
         """The worker is inside a load (MLX: it cannot be interrupted)."""
         if self.single is not None:
             return self.single.loading
-        return self.current is not None and self._thread.is_alive()
+        return self.residency.current is not None and self._thread.is_alive()
 
     @property
     def stuck(self) -> bool:
@@ -225,7 +230,7 @@ class ModelSet:
         finally:
             for slot in self.slots:  # every open stream gets a final event
                 if isinstance(slot.resident, Engine):
-                    slot.resident._teardown()
+                    slot.resident.teardown()
                 elif slot.resident is not None:
                     slot.resident.stop(SHUTDOWN)
             mx.clear_streams()  # docs/development.md, "MLX on other threads"
@@ -238,20 +243,20 @@ class ModelSet:
             if self._stopping:
                 return False
         self._turn()
-        self._unload_idle()
-        self._load_next()
+        self.residency.unload_idle()
+        self.residency.load_next()
         return True
 
     def _has_work(self) -> bool:
-        now = time.monotonic()
+        now, residency = time.monotonic(), self.residency
         for slot in self.slots:
             if slot.resident is not None and slot.state == LOADED and slot.resident.has_work:
                 return True
             ready = slot.wanted and (slot.fetched or not slot.fetching)
-            waits = slot.state == LOADING and self._waits_for_room(slot, now)  # said so once
+            waits = slot.state == LOADING and residency.waits_for_room(slot, now)  # said so once
             if slot.unload_asked or (ready and not waits):
                 return True
-            if self._expired(slot, now):
+            if residency.expired(slot, now):
                 return True
         return False
 
@@ -264,181 +269,39 @@ class ModelSet:
                 waits.append(0.25)  # waiting for room: look again soon
         return min(waits) + 0.01 if waits else None
 
-    def _expired(self, slot: Slot, now: float) -> bool:
-        ttl = slot.spec.ttl
-        return (
-            slot.state == LOADED and not slot.spec.pinned and ttl is not None and not slot.busy
-            and now - slot.last_used >= ttl
-        )  # fmt: skip
-
-    def _turn(self) -> None:
-        """One round of each loaded model that has work."""
+    def _turn(self) -> bool:
+        """One round of each loaded model that has work; whether any had."""
+        ran = False
         for slot in self.slots:
             resident = slot.resident
             if resident is not None and slot.state == LOADED and resident.has_work:
                 resident.round_once()
+                ran = True
+        return ran
 
-    def _between(self) -> None:
+    def _between(self) -> bool:
         """A load's pause point: the other models run one round (never a load inside a load),
-        and their queued work ends before the load times its next piece."""
+        and their queued work ends before the load times its next piece; whether any ran."""
         if self._nested or self._stopping:
-            return
+            return False
         self._nested = True
         try:
-            self._turn()
+            ran = self._turn()
             mx.synchronize()
+            return ran
         finally:
             self._nested = False
 
-    def _unload_idle(self) -> None:
-        now = time.monotonic()
-        for slot in self.slots:
-            with self._cond:
-                why = None
-                if slot.unload_asked and slot.state == LOADED and not slot.busy:
-                    why = "asked to (POST /v1/models/{id}/unload)"
-                elif self._expired(slot, now):
-                    why = f"idle for {now - slot.last_used:.0f} s (its ttl is {slot.spec.ttl:g} s)"
-                slot.unload_asked = slot.unload_asked and slot.state == LOADED and why is None
-                resident = self._take(slot) if why is not None else None
-            if why is not None:
-                self._free(slot, resident, why)
-
-    def _take(self, slot: Slot) -> Resident | None:
-        """Mark ``slot`` unloaded (under the lock, with the check that it is idle: a request
-        that comes after it sees it unloaded and asks for it again)."""
-        resident = slot.resident
-        slot.resident, slot.state, slot.charge, slot.unload_asked = None, UNLOADED, 0, False
-        return resident
-
-    def _free(self, slot: Slot, resident: Resident | None, why: str) -> None:
-        log.info("unloading model %r: %s", slot.id, why)
-        if resident is not None:
-            resident.unload()
-        del resident
-        gc.collect()
-        mx.clear_cache()
-
-    def _waits_for_room(self, slot: Slot, now: float) -> bool:
-        """A wanted model that must wait for busy models to free memory (re-checked later)."""
-        if not self.budget:
-            return False
-        return self._room_for(slot) is None and now - slot.wanted_since < ROOM_WAIT_S
-
-    def _room_for(self, slot: Slot) -> list[Slot] | None:
-        """The idle models to unload so that ``slot`` fits (least recently used first), or None
-        while busy or pinned models leave no room."""
-        if not self.budget:
-            return []
-        used = sum(s.expected for s in self.slots if s is not slot and s.state != UNLOADED)
-        victims, free = [], self.budget - used
-        idle = [s for s in self.slots if s.state == LOADED and not s.spec.pinned and not s.busy]
-        for victim in sorted((s for s in idle if s is not slot), key=lambda s: s.last_used):
-            if free >= slot.expected:
-                break
-            victims.append(victim)
-            free += victim.expected
-        return victims if free >= slot.expected else None
-
-    def _load_next(self) -> None:
-        with self._cond:
-            wanted = sorted((s for s in self.slots if s.wanted), key=lambda s: s.wanted_since)
-            slot = next((s for s in wanted if s.fetched or not s.fetching), None)
-            if slot is None:
-                return
-            if not slot.fetched:
-                slot.fetching, slot.state, slot.progress = True, LOADING, "downloading"
-                threading.Thread(target=self._fetch, args=(slot,), daemon=True).start()
-                return
-            victims = self._room_for(slot)
-            pinned = sum(s.expected for s in self.slots if s.spec.pinned and s is not slot)
-            never = bool(self.budget) and slot.expected > self.budget - pinned  # not even alone
-            if victims is None and not never and time.monotonic() - slot.wanted_since < ROOM_WAIT_S:
-                slot.state, slot.progress = LOADING, "waiting for memory (busy models hold it)"
-                return
-            taken = [(v, self._take(v)) for v in victims or []]
-        if victims is None:
-            self._failed(slot, self._no_room(slot))
-            return
-        for victim, resident in taken:
-            self._free(victim, resident, f"to make room for {slot.id!r} (--max-model-memory)")
-        del taken
-        self._load(slot)
-
-    def _no_room(self, slot: Slot) -> str:
-        held = ", ".join(f"{s.id!r}" for s in self.slots if s.state == LOADED and s is not slot)
-        return (
-            f"model {slot.id!r} needs about {slot.expected / 2**30:.2f} GiB but the models' "
-            f"memory budget ({self.budget / 2**30:.2f} GiB) is held by busy or pinned models "
-            f"({held or 'none'}): retry later, or raise --max-model-memory"
-        )
-
-    def _fetch(self, slot: Slot) -> None:
-        try:
-            assert slot.spec.fetch is not None
-            estimate = slot.spec.fetch()
-        except Exception as exc:
-            self._failed(slot, str(exc))
-        else:
-            with self._cond:
-                slot.fetched, slot.estimate = True, estimate or slot.estimate
-        finally:
-            with self._cond:
-                slot.fetching = False
-                self._cond.notify_all()
-
-    def _failed(self, slot: Slot, message: str) -> None:
-        log.error("cannot load model %r: %s", slot.id, message)
-        with self._cond:
-            slot.state, slot.error, slot.wanted, slot.progress = UNLOADED, message, None, None
-            slot.finished_loads += 1
-        if slot.spec.pinned and self._state == "loading":
-            self._fatal(f"pinned model {slot.id!r} failed to load: {message}")
-
-    def _load(self, slot: Slot) -> None:
-        why = slot.wanted
-        log.info("loading model %r (%s)", slot.id, why)
-        with self._cond:
-            slot.state, slot.progress, self.current = LOADING, "starting", slot
-        try:
-            resident = slot.spec.make(self._cond)
-        except Exception as exc:
-            self.current = None
-            self._failed(slot, f"{type(exc).__name__}: {exc}")
-            return
-        start = time.perf_counter()
-
-        def told(what: str) -> None:
-            slot.progress = what
-
-        with pausing(self._between, told):
-            ok = resident.load()
-        self.current = None
-        if not ok:
-            self._failed(slot, resident.error or "loading failed")
-            resident.unload()
-            return
-        seconds = time.perf_counter() - start
-        weights = resident.weight_bytes  # counted, not measured: other models ran meanwhile
-        reserved = 0
-        if isinstance(resident, Engine):
-            reserved = (resident.ledger.budget if resident.ledger else 0) + (
-                resident.prefix_cache.budget if resident.prefix_cache else 0
-            )
-        with self._cond:
-            slot.resident, slot.state, slot.progress, slot.error = resident, LOADED, None, None
-            slot.charge, slot.wanted = max(1, weights + reserved), None
-            slot.loads, slot.load_seconds = slot.loads + 1, round(seconds, 3)
-            slot.finished_loads += 1
-            slot.last_used = time.monotonic()
-        log.info(
-            "model %r loaded in %.1f s (%.2f GiB of weights; %.2f GiB counted against the budget)",
-            slot.id, seconds, weights / 2**30, slot.charge / 2**30,
-        )  # fmt: skip
+    def _loaded(self) -> None:
+        """After a load: the server is ready once its pinned models are loaded."""
         if self._state == "loading" and not any(
             s.spec.pinned and s.state != LOADED for s in self.slots
         ):
             self._ready()
+
+    def _failed(self, slot: Slot, message: str) -> None:
+        if slot.spec.pinned and self._state == "loading":
+            self._fatal(f"pinned model {slot.id!r} failed to load: {message}")
 
     def _ready(self) -> None:
         self._state = "ready"

@@ -4,12 +4,11 @@ Scheduling: requests wait in a bounded FIFO; up to ``max_active`` of them genera
 as a ``Row`` of the engine's rows: a ``BatchDecoder`` (``batching="batched"``: every running
 request advances in one target pass per round, short new prompts prefill together, a long one
 one chunk per round) or ``LoneRows`` (``"interleave"``: each request cycles alone, one cycle or
-prompt chunk per round). Admission is in order, while the KV budget holds the head's
-reservation (``kv_budget.py``; alone it always fits: one that never could was refused at
-``submit``). The engine owns the round: admit, drop cancelled requests, one
-``step`` of the running streams (``streams.py``: each request's row, its commits made text),
-then each response becomes its request's events. Outputs are those of
-a lone run either way, and a short request finishes while a long one is still running.
+prompt chunk per round). The engine owns the round (``rounds.py``: admit in order under the KV
+budget, drop cancelled requests, one ``step`` of the running streams, each response its
+request's events); here are its lifecycle (load, unload, stop, abort) and the event-loop side
+(submit, status). Outputs are those of a lone run either way, and a short request finishes
+while a long one is still running.
 The asyncio side only submits jobs and reads their events; a job can be cancelled from the
 event loop and stops at the next round. With the target sharded over several machines, a
 ``lockstep`` (``engine/lockstep.py``) sends each round's decisions to the other ranks before
@@ -22,18 +21,17 @@ import collections
 import contextlib
 import logging
 import threading
-import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from dflash_server.chat.logprobs import TokenTexts
 from dflash_server.engine.distributed import RankLost
-from dflash_server.engine.jobs import EngineNotReady, Event, Failed, Job, QueueFull
+from dflash_server.engine.jobs import EngineNotReady, Failed, Job, QueueFull
 from dflash_server.engine.kv_budget import KVBudgetExceeded, KVLedger, build_ledger, positions
 from dflash_server.engine.loader import LoadedModels, ModelLoadError, make_batch
 from dflash_server.engine.prefix_cache import PrefixCache
+from dflash_server.engine.rounds import Rounds
 from dflash_server.engine.runs import Run
 from dflash_server.engine.streams import RowStreams, Streams
 from dflash_server.engine.summary import ServedModel
@@ -94,7 +92,7 @@ class Engine:
         self.batch: BatchDecoder | None = None  # "batched": the running rows, after loading
         self.rows: BatchDecoder | LoneRows = LoneRows()  # the rows requests decode on
         self.streams: Streams | None = None  # what each round steps, after loading
-        self._by_stream: dict[Hashable, Run] = {}
+        self.rounds: Rounds | None = None  # the round's bookkeeping, after loading
         self.on_pass = on_pass  # each batched pass: (rows, verified positions)
         self._loader = loader
         self.prefix_cache = prefix_cache
@@ -112,6 +110,7 @@ class Engine:
         self.error: str | None = None
         self.models: LoadedModels | None = None
         self.served: ServedModel | None = None  # what the API sees of the models, once loaded
+        # Shared with ``rounds`` (kept, never replaced): the waiting jobs and the running ones.
         self._pending: collections.deque[Job] = collections.deque()
         self._active: list[Run] = []
         self.managed, self._kv_default_cap = managed, kv_default_cap
@@ -121,8 +120,6 @@ class Engine:
         self._draining = False
         self._aborted = False
         self._ready = threading.Event()
-        self._mean_job_s = 5.0  # running estimate for Retry-After
-        self._token_texts: TokenTexts | None = None  # token names for logprobs, cached
         self._thread = threading.Thread(target=self._thread_main, name="dflash-engine", daemon=True)
 
     # ----- event-loop side -------------------------------------------------------------------
@@ -146,7 +143,8 @@ class Engine:
         """
         with self._cond:
             self._stopping = True
-            pending, self._pending = list(self._pending), collections.deque()
+            pending = list(self._pending)
+            self._pending.clear()
             self._cond.notify_all()
         for job in pending:
             job.cancel()
@@ -231,17 +229,18 @@ class Engine:
         if self.state != "ready":
             raise EngineNotReady(self.error or "models are still loading")
         with self._cond:
-            if self._stopping or self._draining:
+            if self._stopping or self._draining or self.rounds is None:
                 raise EngineNotReady(SHUTDOWN)
+            mean_job_s = self.rounds.mean_job_s
             if (
                 self.ledger is not None
                 and (need := self.ledger.alone(positions(job.request))) > self.ledger.budget
             ):
-                raise KVBudgetExceeded(need, self.ledger.budget, max(1, round(self._mean_job_s)))
+                raise KVBudgetExceeded(need, self.ledger.budget, max(1, round(mean_job_s)))
             waits = len(self._pending) + len(self._active)
             if waits >= self.max_active + self.max_queue:
                 rounds = waits / self.max_active
-                raise QueueFull(max(1, min(300, round(rounds * self._mean_job_s))))
+                raise QueueFull(max(1, min(300, round(rounds * mean_job_s))))
             job.on_cancel(lambda: self._discard(job))
             self._pending.append(job)
             self._cond.notify()
@@ -261,10 +260,10 @@ class Engine:
     def _main(self) -> None:
         if not self.load():
             return
-        assert self.models is not None
+        assert self.models is not None and self.rounds is not None
         try:
             with self.models.pair.wired.held():  # for the engine's lifetime
-                while self._round():
+                while self.rounds.play():
                     pass
             if self.lockstep is not None and not self._aborted:
                 self.lockstep.close()  # the other ranks exit with this one
@@ -277,7 +276,7 @@ class Engine:
             log.exception("the engine's round failed")
             self.abort(f"the engine's round failed ({exc}): restart every rank")
         finally:
-            self._teardown()
+            self.teardown()
 
     def load(self) -> bool:
         """Load the models and get ready to admit requests (on the worker thread); False when
@@ -309,6 +308,12 @@ class Engine:
             default_cap=self._kv_default_cap,
         )  # fmt: skip
         self.served = self.models.served
+        heartbeat = self.lockstep.heartbeat_s if self.lockstep is not None else None
+        self.rounds = Rounds(
+            self.models.pair, self.streams, cond=self._cond, pending=self._pending,
+            active=self._active, stopping=lambda: self._stopping, max_active=self.max_active,
+            ledger=self.ledger, batch=self.batch, on_pass=self.on_pass, heartbeat_s=heartbeat,
+        )  # fmt: skip
         if self.managed:
             self._held.enter_context(self.models.pair.wired.held())
         self.state = "ready"
@@ -317,11 +322,10 @@ class Engine:
             self._on_ready()
         return True
 
-    def _teardown(self) -> None:
+    def teardown(self) -> None:
         """Every open stream gets a final event; the prefix cache is closed."""
-        for run in list(self._active):  # shutdown: every open stream gets a final event
-            run.job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
-            self._close(run)
+        if self.rounds is not None:  # shutdown: every open stream gets a final event
+            self.rounds.end_all(SHUTDOWN, 503, "server_shutdown")
         if self.prefix_cache is not None:
             self.prefix_cache.close()
 
@@ -338,70 +342,23 @@ class Engine:
 
     def round_once(self) -> None:
         """A managed engine's round: admit, drop cancelled requests, one step (no waiting)."""
-        if self.state == "ready" and self.has_work:
-            self._round(wait=False)
+        if self.state == "ready" and self.has_work and self.rounds is not None:
+            self.rounds.play(wait=False)
 
     def unload(self) -> None:
         """Free a managed engine's models (on the worker, once it holds no request): its
         prefix cache is closed, its wired limit released; it cannot be loaded again."""
         with self._cond:
             self._stopping = True
-            pending, self._pending = list(self._pending), collections.deque()
+            pending = list(self._pending)
+            self._pending.clear()
         for job in pending:  # none when the models' worker unloads it: it is idle
             job.emit(Failed(SHUTDOWN, 503, "server_shutdown"))
-        self._teardown()
+        self.teardown()
         self._held.close()
-        self.models = self.served = self.ledger = self.streams = self.batch = None
+        self.models = self.served = self.ledger = self.streams = self.batch = self.rounds = None
         self.rows = LoneRows()
-        self._by_stream.clear()
-        self._token_texts = None
         self.state = "unloaded"
-
-    def _round(self, wait: bool = True) -> bool:
-        """Admit waiting jobs up to ``max_active``, drop cancelled ones, then one step of the
-        streams; each response (or error) goes to its request. ``wait``: block until there is
-        work (a managed engine's worker waits for all its models instead)."""
-        heartbeat = self.lockstep.heartbeat_s if self.lockstep is not None else None
-        with self._cond:
-            while wait and not self._pending and not self._active and not self._stopping:
-                if not self._cond.wait(heartbeat) and heartbeat is not None:
-                    break  # idle: the round still runs, so the other ranks hear from this one
-            if self._stopping:
-                return False
-            admitted: list[Job] = []
-            while self._pending and len(self._active) + len(admitted) < self.max_active:
-                head, busy = self._pending[0], bool(self._active or admitted)
-                if self.ledger is not None and not self.ledger.admit(
-                    head, positions(head.request), busy
-                ):
-                    break  # in order: the head waits for memory, and the ones behind it too
-                admitted.append(self._pending.popleft())
-        for job in admitted:
-            run = self._start(job)
-            with self._cond:
-                if run is not None:
-                    self._active.append(run)
-                elif self.ledger is not None:
-                    self.ledger.release(job)
-        for run in list(self._active):
-            if self._stopping:
-                return False
-            if run.job.cancelled:
-                log.info("request cancelled after %d tokens", run.produced)
-                self._end(run, Failed("request cancelled"))
-        assert self.streams is not None
-        if self.streams.busy:
-            passes = self.batch.passes if self.batch is not None else 0
-            for stream, outcome in self.streams.step().items():
-                run = self._by_stream[stream]
-                if isinstance(outcome, Exception):
-                    log.error("generation failed", exc_info=outcome)
-                    self._end(run, Failed(f"generation failed: {outcome}"))
-                elif run.deliver(outcome):
-                    self._end(run, run.finished())
-            if self.on_pass is not None and self.batch is not None and self.batch.passes > passes:
-                self.on_pass(*self.batch.last_pass)
-        return True
 
     def _row_streams(self, models: LoadedModels) -> Streams:
         """Each request a ``Generation`` on the loaded pair, its row one of ``rows``."""
@@ -410,53 +367,8 @@ class Engine:
             prefix=self.prefix_cache, kv=self.kv, lockstep=self.lockstep,
         )  # fmt: skip
 
-    def _end(self, run: Run, final: Event) -> None:
-        """Once a run has its final event: free its slot, then tell the client (its next
-        request must fit)."""
-        self._close(run)
-        run.job.emit(final)
-
     def _fail(self, message: str) -> None:
         self.state, self.error = "error", message
         self._ready.set()
         if self._on_fatal is not None:
             self._on_fatal(message)
-
-    def _start(self, job: Job) -> Run | None:
-        """Make the job's run: its stream starts (its prefill at this round's step)."""
-        if job.cancelled:
-            return None
-        assert self.models is not None and self.streams is not None
-        tokenizer = self.models.pair.tokenizer
-        job.started = time.monotonic()
-        if log.isEnabledFor(logging.DEBUG):  # prompt text only ever at debug level
-            log.debug("request prompt: %r", tokenizer.decode(job.request.prompt)[-2000:])
-        if not self._active:
-            mx.reset_peak_memory()  # the peak of the busy period that starts here
-        texts = None
-        if job.request.logprobs is not None:
-            texts = self._token_texts or TokenTexts(tokenizer)
-            self._token_texts = texts
-        try:
-            stream = self.streams.start(job.request)
-        except Exception as exc:
-            log.exception("generation failed")
-            job.emit(Failed(f"generation failed: {exc}"))
-            return None
-        run = self._by_stream[stream] = Run(job, stream, texts)
-        return run
-
-    def _close(self, run: Run) -> None:
-        """Drop an ended run; its stream leaves (caches freed now, not at GC)."""
-        with self._cond:
-            if run in self._active:
-                self._active.remove(run)
-            if self.ledger is not None:
-                self.ledger.release(run.job)
-        try:
-            if self._by_stream.pop(run.stream, None) is not None and self.streams is not None:
-                self.streams.stop(run.stream)
-        except Exception:
-            log.exception("closing a generation failed")
-        elapsed = time.monotonic() - (run.job.started or run.job.created)
-        self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * elapsed

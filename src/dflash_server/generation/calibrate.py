@@ -251,6 +251,8 @@ def _calibrate(
         stamps = []
         for _ in decoder.generate(prompt, (cycles + 2) * width):
             stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                pause()  # after the prefill: the one interval that is not timed
             if len(stamps) == cycles + 2:
                 break
         return [b - a for a, b in itertools.pairwise(stamps[1:])]  # after the prefill: cycles
@@ -306,6 +308,8 @@ def _calibrate_copies(
         stamps = []
         for _ in decoder.generate(prompt, (cycles + 2) * width + 1):
             stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                pause()  # after the prefill: the one interval that is not timed
             if len(stamps) == cycles + 2:
                 break
         loop[width] = _low([b - a for a, b in itertools.pairwise(stamps[1:])])  # as ``_calibrate``

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from dflash_server.generation.pauses import pause
 from dflash_server.models.hooks import Recording, TargetHooks, hook_error
 from dflash_server.models.mrope import Positions
 from dflash_server.models.recurrence import state_at
@@ -167,6 +168,8 @@ def check_rollback(hooks: TargetHooks) -> None:
     rollback = CacheRollback(hooks, recorded)
     with rollback.recording() as recording:
         backbone(tokens, recorded)
+    mx.eval([c.state for c in recorded])
+    pause()  # several models: the others run a round between two forwards (pauses.py)
     if len(recording.updates) != len(hooks.gdn):
         raise hook_error(
             f"{len(recording.updates)} of {len(hooks.gdn)} Gated DeltaNet layers called "
@@ -177,6 +180,8 @@ def check_rollback(hooks: TargetHooks) -> None:
     rollback.rollback(keep=1, fed=2)
     reference = make_prompt_cache(hooks.model)
     backbone(tokens[:, :1], reference)
+    mx.eval([c.state for c in reference])
+    pause()
     for i, (a, b) in enumerate(zip(recorded, reference)):
         same = all(
             x.shape == y.shape and mx.allclose(x, y, atol=1e-4).item()

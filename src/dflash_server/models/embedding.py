@@ -14,6 +14,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from dflash_server.models.loading import KeptTokenizer
+
 # Inputs longer than this run alone, a chunk per step, through a cache (bounded memory); the
 # shorter ones are batched, right-padded: causal attention never lets a token see the padding.
 CHUNK_TOKENS = 512
@@ -78,10 +80,13 @@ def is_embedding_config(config: dict[str, Any]) -> bool:
     return "embedding" in names.lower()
 
 
-def load_embedding_model(path: Path) -> EmbeddingModel:
+def load_embedding_model(
+    path: Path, lazy: bool = False, kept: KeptTokenizer | None = None
+) -> EmbeddingModel:
     """Load an embedding checkpoint with mlx-lm's own classes: the backbone only (weights saved
     without the ``model.`` prefix, as sentence-transformers saves Qwen3-Embedding, are read
-    too). Raises ValueError naming what does not fit."""
+    too). Raises ValueError naming what does not fit. ``lazy``: its weights are read when first
+    evaluated; ``kept``: its tokenizer from an earlier load, and where to keep this one."""
     from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
     config = json.loads((path / "config.json").read_text())
@@ -102,8 +107,12 @@ def load_embedding_model(path: Path) -> EmbeddingModel:
     model, config = load_model(
         path,
         model_config={"tie_word_embeddings": True},  # no LM head is built: it is never used
+        lazy=lazy,
         get_model_classes=lambda config: (Backbone, args_class),
     )
     if not hasattr(model, "model"):
         raise ValueError(f"a {model_type!r} model has no backbone to embed with")
-    return EmbeddingModel(model, load_tokenizer(path), config)
+    tokenizer = (kept.get(path) if kept is not None else None) or load_tokenizer(path)
+    if kept is not None:
+        kept.keep(path, tokenizer)
+    return EmbeddingModel(model, tokenizer, config)

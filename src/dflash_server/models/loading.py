@@ -80,12 +80,44 @@ def shard_problem(config: dict[str, Any], ranks: int) -> str | None:
     return None
 
 
+class KeptTokenizer:
+    """A model's tokenizer kept from one of its loads to the next, while its folder's files
+    (other than weights) are unchanged. With several models a reload then skips reading it,
+    which holds Python's lock, so every other model's round, for up to a second (a large
+    vocabulary is parsed in Rust)."""
+
+    def __init__(self) -> None:
+        self._key: str | None = None
+        self._tokenizer: TokenizerWrapper | None = None
+
+    def get(self, folder: Path) -> TokenizerWrapper | None:
+        return self._tokenizer if self._key == self._key_of(folder) else None
+
+    def keep(self, folder: Path, tokenizer: TokenizerWrapper) -> None:
+        self._key, self._tokenizer = self._key_of(folder), tokenizer
+
+    @staticmethod
+    def _key_of(folder: Path) -> str:
+        files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix != ".safetensors")
+        stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        return f"{folder.resolve()}: {stats}"
+
+
 def load(
-    path_or_repo: str | Path, group: Any = None, **kwargs: Any
+    path_or_repo: str | Path,
+    group: Any = None,
+    *,
+    tokenizer: TokenizerWrapper | None = None,
+    **kwargs: Any,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a target model and its tokenizer with mlx-lm (any architecture mlx-lm supports);
     with an MLX distributed ``group``, tensor-sharded over its ranks (mlx-lm's ``Model.shard``:
-    each rank keeps only its slice of every sharded layer)."""
+    each rank keeps only its slice of every sharded layer). ``tokenizer``: the one an earlier
+    load of this local folder read, used again (not with ``group``)."""
+    if tokenizer is not None and group is None:
+        from mlx_lm.utils import load_model
+
+        return load_model(Path(path_or_repo), **kwargs)[0], tokenizer
     if group is not None:
         from mlx_lm.utils import sharded_load
 

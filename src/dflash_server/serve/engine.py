@@ -17,6 +17,7 @@ from dflash_server.engine.prefix_cache import PrefixCache
 from dflash_server.engine.prefix_disk import PrefixDisk
 from dflash_server.engine.summary import ModelSummary, describe
 from dflash_server.engine.worker import Engine, LoaderFn, StreamsFn
+from dflash_server.models.loading import KeptTokenizer
 from dflash_server.settings import Settings
 
 log = logging.getLogger("dflash_server")
@@ -29,9 +30,11 @@ def build_loader(
     target_path: str | None = None,
     draft_path: str | None = None,
     group: Any = None,
+    kept: KeptTokenizer | None = None,
 ) -> LoaderFn:
     """What the engine's worker runs first: load the configured models (tensor-sharded over
-    ``group``'s ranks when given), log what it got, add the prefix cache's disk tier."""
+    ``group``'s ranks when given), log what it got, add the prefix cache's disk tier;
+    ``kept``: where the tokenizer is kept between loads (``load_models``)."""
 
     def loader() -> LoadedModels:
         models = load_models(
@@ -46,6 +49,7 @@ def build_loader(
             calibration_cache=settings.calibration_folder,
             vision=settings.vision,
             group=group,
+            kept=kept,
         )
         for line in describe(models.summary).splitlines():
             log.info("%s", line)
@@ -113,6 +117,7 @@ def build_engine(
     group: Any = None,
     managed: threading.Condition | None = None,
     kv_default_cap: int | None = None,
+    kept: KeptTokenizer | None = None,
 ) -> Engine:
     """An engine that loads the configured models on its worker thread and logs what it got.
 
@@ -122,12 +127,13 @@ def build_engine(
     ``group``: the MLX distributed group this is rank 0 of; the other ranks follow its rounds
     (``serve/ranks.py``). ``managed``: one of several models, driven by the models' worker
     (``engine/models.py``) whose condition this is; ``kv_default_cap``: its default KV budget's
-    cap.
+    cap; ``kept``: where its tokenizer is kept from one load to the next.
     """
     prefix_cache = prefix_cache_of(settings)
     loader = build_loader(
-        settings, prefix_cache, target_path=target_path, draft_path=draft_path, group=group
-    )
+        settings, prefix_cache, target_path=target_path, draft_path=draft_path, group=group,
+        kept=kept,
+    )  # fmt: skip
 
     def ready() -> None:  # the engine calls it once /health says 200, not before
         log.info(

@@ -17,6 +17,7 @@ from dflash_server.engine.loader import TARGET_PATTERNS, resolve_draft, resolve_
 from dflash_server.engine.model_slots import EMBEDDINGS, ModelSpec, Resident
 from dflash_server.engine.models import ModelSet
 from dflash_server.models.embedding import load_embedding_model
+from dflash_server.models.loading import KeptTokenizer
 from dflash_server.models_file import ModelEntry
 from dflash_server.serve.engine import build_engine
 from dflash_server.settings import Settings
@@ -72,6 +73,7 @@ def _own_settings(entry: ModelEntry, budget: int) -> Settings:
 def _spec(entry: ModelEntry, budget: int, metrics: Metrics | None) -> ModelSpec:
     settings = _own_settings(entry, budget)
     paths: dict[str, str | None] = {}
+    kept = KeptTokenizer()  # its tokenizer, from one load to the next
     kv_cap = budget // KV_SHARE if budget else None
 
     def fetch() -> int:
@@ -92,10 +94,11 @@ def _spec(entry: ModelEntry, budget: int, metrics: Metrics | None) -> ModelSpec:
 
     def make(cond: threading.Condition) -> Resident:
         if entry.kind == EMBEDDINGS:
-            return Embedder(lambda: load_embedding_model(Path(str(paths["target"]))), cond)
+            folder = Path(str(paths["target"]))
+            return Embedder(lambda: load_embedding_model(folder, lazy=True, kept=kept), cond)
         return build_engine(
             settings, target_path=paths["target"], draft_path=paths["draft"], metrics=metrics,
-            managed=cond, kv_default_cap=kv_cap,
+            managed=cond, kv_default_cap=kv_cap, kept=kept,
         )  # fmt: skip
 
     return ModelSpec(
