@@ -71,6 +71,9 @@ def test_metrics_after_real_requests(tiny_hybrid_path: Path, draft_path: Path) -
     assert passes > 0 and m[("dflash_batch_rows_sum", ())] == passes
     assert passes <= m[("dflash_batch_verify_tokens_sum", ())] <= 8 * passes
     assert m[("dflash_active_rows", ())] == 0
+    # What is served, as /health says it: the target, its drafter and the drafter's family.
+    info = {"model": "tiny", "target": str(tiny_hybrid_path), "draft": str(draft_path)}
+    assert m[("dflash_model_info", tuple(sorted({**info, "draft_family": "DFlash"}.items())))] == 1
     if cache is not None:  # the prefix cache's own counters
         assert m[("dflash_prefix_cache_hits_total", ())] == cache.stats()["hits"]
     assert not any(name.endswith("_created") for name, _ in m)

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_server.testing import build_target
 from server_fixtures import make_app, run_server
@@ -132,6 +133,13 @@ def _complete(url: str, model: str, **extra: Any) -> dict[str, Any]:
     return r.json()
 
 
+def _tokens(answer: dict[str, Any]) -> list[str]:
+    """The generated tokens one by one (``logprobs`` names each: the API gives no ids)."""
+    tokens = answer["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == answer["usage"]["completion_tokens"]
+    return tokens
+
+
 def test_v1_models_lists_every_model_with_its_state_and_kind(server: Any) -> None:
     data = httpx.get(f"{server.base_url}/v1/models").json()["data"]
     card = next(m for m in data if m["id"] == "a")
@@ -142,11 +150,12 @@ def test_v1_models_lists_every_model_with_its_state_and_kind(server: Any) -> Non
 
 
 def test_routed_by_id_and_alias_and_equal_to_a_one_model_server(server: Any, alone: Any) -> None:
-    by_alias = _complete(server.base_url, "alpha")
-    by_id = _complete(server.base_url, "a")
-    reference = _complete(alone.base_url, alone.app.state.settings.model_id)
+    by_alias = _complete(server.base_url, "alpha", logprobs=0)
+    by_id = _complete(server.base_url, "a", logprobs=0)
+    reference = _complete(alone.base_url, alone.app.state.settings.model_id, logprobs=0)
     for answer in (by_alias, by_id):
         assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert _tokens(answer) == _tokens(reference)  # token by token, not just the text
         assert answer["usage"] == reference["usage"]
     assert by_alias["model"] == "alpha" and _states(server.base_url)["a"][0] == "loaded"
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
@@ -212,7 +221,10 @@ def test_a_failed_load_answers_clearly_and_the_others_keep_serving(server: Any) 
     assert broken["state"] == "unloaded" and "cannot load target" in broken["error"]
 
 
-def test_metrics_are_labelled_by_model(server: Any) -> None:
+def test_metrics_are_labelled_by_model(
+    server: Any, folders: dict[str, Path], draft_path: Path
+) -> None:
+    _complete(server.base_url, "a")
     _complete(server.base_url, "b")
     httpx.post(f"{server.base_url}/v1/embeddings", json={"model": "emb", "input": ["x", "y"]})
     text = httpx.get(f"{server.base_url}/metrics").text
@@ -220,6 +232,18 @@ def test_metrics_are_labelled_by_model(server: Any) -> None:
     assert 'dflash_model_state{model="emb",state="loaded"} 1.0' in text
     assert 'dflash_embedding_inputs_total{model="emb"}' in text
     assert 'dflash_model_loads_total{model="b"}' in text
+    # Each loaded chat model says what it serves: "a" with the fixture drafter, "b" without;
+    # the embeddings model is no chat model.
+    info = {
+        s.labels["model"]: s.labels
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "dflash_model_info" and s.value == 1
+    }
+    for model, (draft, family) in {"a": (str(draft_path), "DFlash"), "b": ("", "none")}.items():
+        labels = {"target": str(folders[model]), "draft": draft, "draft_family": family}
+        assert info[model] == {"model": model, **labels}
+    assert "emb" not in info
 
 
 def test_a_small_budget_switches_models_and_answers_stay_equal(
@@ -234,14 +258,17 @@ def test_a_small_budget_switches_models_and_answers_stay_equal(
     auth = {"authorization": "Bearer k"}
     with run_server(app) as srv:
         url = srv.base_url
-        first = httpx.post(f"{url}/v1/completions", json={**PROMPT, "model": "b"}, headers=auth)
-        httpx.post(f"{url}/v1/completions", json={**PROMPT, "model": "c"}, headers=auth)
+        body = {**PROMPT, "logprobs": 0}
+        first = httpx.post(f"{url}/v1/completions", json={**body, "model": "b"}, headers=auth)
+        other = httpx.post(f"{url}/v1/completions", json={**body, "model": "c"}, headers=auth)
         states = {
             m["id"]: m["state"] for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
         }
         assert states == {"b": "unloaded", "c": "loaded"}  # b made room for c
-        again = httpx.post(f"{url}/v1/completions", json={**PROMPT, "model": "b"}, headers=auth)
-        assert again.json()["choices"] == first.json()["choices"]
+        again = httpx.post(f"{url}/v1/completions", json={**body, "model": "b"}, headers=auth)
+        # "c" is a copy of "b": every answer the same, token by token, before and after a switch.
+        assert again.json()["choices"] == first.json()["choices"]  # logprobs included
+        assert _tokens(again.json()) == _tokens(first.json()) == _tokens(other.json())
         # The operators' endpoints, behind the API key like all of /v1.
         assert httpx.post(f"{url}/v1/models/c/load").status_code == 401
         loaded = httpx.post(f"{url}/v1/models/c/load", headers=auth)

@@ -5,9 +5,9 @@ request: the client's ``x-request-id`` when it is a plain token, else a new one)
 metrics come from the jobs themselves: ``MeteredJob`` records its events as the engine's worker
 emits them (time to first token, per-token latency, tokens, tau and acceptance, cycles and
 tokens by source, outcome), and the engine reports each batched pass (``Metrics.observe_pass``,
-given to it at construction); queue depth, active requests, the KV memory reserved and the
-prefix cache's counters are read from the engine at each scrape. Each app has its own registry, so several servers in one
-process (tests) do not share counters.
+given to it at construction); queue depth, active requests, the KV memory reserved, the prefix
+cache's counters and each loaded model's info (``model_gauges.py``) are read at each scrape.
+Each app has its own registry, so several servers in one process (tests) do not share counters.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dflash_server.api.model_gauges import ModelGauges
+from dflash_server.api.model_gauges import ModelGauges, ModelInfo
 from dflash_server.engine.jobs import Event, Failed, Finished, Job, TextChunk
 from dflash_server.engine.models import ModelSet
 from dflash_server.engine.worker import Engine
@@ -198,12 +198,12 @@ class Metrics:
         self.batch_verify.observe(verified)
 
     def exposition(self, models: ModelSet) -> bytes:
-        """The Prometheus text: what was counted, then the engine's gauges as they are now
-        (with several models: each model's, labelled by model)."""
+        """The Prometheus text: what was counted, then each loaded model's info and the
+        engine's gauges as they are now (with several models: each model's, labelled by model)."""
         gauges: Collector = (
             _EngineGauges(models.single) if models.single is not None else ModelGauges(models)
         )
-        return generate_latest(self.registry) + generate_latest(gauges)
+        return b"".join(generate_latest(c) for c in (self.registry, ModelInfo(models), gauges))
 
     def job(self, request: GenerationRequest, endpoint: str, model: str = "") -> MeteredJob:
         return MeteredJob(request, self, endpoint, model)

@@ -1,6 +1,6 @@
-"""``/metrics`` with several models: each model's state, memory and load history, and each
-loaded chat model's queue, KV budget and prefix cache, labelled by model (docs/operations.md,
-"Several models")."""
+"""``/metrics`` by model: with several models, each model's state, memory and load history, and
+each loaded chat model's queue, KV budget and prefix cache, labelled by model (docs/operations.md,
+"Several models"); with one or several, each loaded chat model's ``dflash_model_info``."""
 
 from __future__ import annotations
 
@@ -84,3 +84,25 @@ def _per_model(family: Any, name: str, doc: str, values: dict[str, Any]) -> Any:
     for model, value in values.items():
         metric.add_metric([model], float(value))
     return metric
+
+
+class ModelInfo(Collector):
+    """``dflash_model_info``: 1 for each loaded chat model, labelled with what it serves (the
+    one-model server's and several models' alike; read when scraped)."""
+
+    def __init__(self, models: ModelSet) -> None:
+        self.models = models
+
+    def collect(self) -> Iterator[Any]:
+        info = GaugeMetricFamily(
+            "dflash_model_info",
+            "1 for each loaded chat model: its target, drafter and drafter family",
+            labels=["model", "target", "draft", "draft_family"],
+        )
+        for slot in self.models.slots:
+            engine = slot.engine
+            served = engine.served if engine is not None else None  # None until loaded
+            if served is not None and slot.state == LOADED:
+                s = served.summary  # no drafter (plain decoding): draft "", family "none"
+                info.add_metric([slot.id, s.target, s.draft or "", s.draft_family or "none"], 1)
+        yield info
