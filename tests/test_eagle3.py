@@ -177,7 +177,7 @@ def test_drafts_equal_mlx_vlm(layout: str, options: dict, tiny_hybrid: Any, tmp_
         assert log_q is None and drafts.tolist() == want.tolist()
     sampled = TokenSampler(SamplingParams(temperature=1.0), seed=3)
     drafts, log_q = ours.propose([row_of(ours, 7, 12, 9, 6, sampled)])[0]
-    hot = ours._hot if ours._hot is not None else mx.arange(log_q.shape[1])
+    hot = ours.target_ids if ours.target_ids is not None else mx.arange(log_q.shape[1])
     draft_ids = {t: d for d, t in enumerate(hot.tolist())}
     laws, forced = [], iter(drafts.tolist())
 
@@ -209,7 +209,7 @@ def fit(draft: Eagle3Drafter, model: Any, prompts: list[list[int]], steps: int =
     labels = mx.array([[hot.index(t) for t in row] for row in labels.tolist()])
 
     def loss(d: Eagle3Drafter) -> mx.array:
-        h = d.layers[0](d._project(taps)[:, :-1], d._embed(tokens[:, 1:]), "causal", KVCache())
+        h = d.layers[0](d.project(taps)[:, :-1], d.embed(tokens[:, 1:]), "causal", KVCache())
         return nn.losses.cross_entropy(d.lm_head(d.norm(h)), labels).mean()
 
     optimizer, step = optim.Adam(learning_rate=3e-3), nn.value_and_grad(draft, loss)

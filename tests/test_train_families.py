@@ -116,7 +116,9 @@ def test_eagle3_ttt_equals_drafting(variant: str, tiny_hybrid: Any, tmp_path: Pa
             forced = Forced([labels[n, min(i + 2 + j, T - 1)].item() for j in range(steps)])
             head.propose([DraftRow(block, cache, forced)])
             for j in range(min(steps, T - 2 - i)):
-                want = forced.seen[j] if head._hot is None else forced.seen[j][head._hot]
+                want = (
+                    forced.seen[j] if head.target_ids is None else forced.seen[j][head.target_ids]
+                )
                 assert mx.allclose(logits[j][n, i], want, atol=1e-4).item(), (n, i, j)
 
 

@@ -212,13 +212,13 @@ class Eagle3Drafter(nn.Module):
     def append_context(self, taps: mx.array, cache: list[Any], tokens: mx.array) -> None:
         """Pair each new committed position's g with the token after it (the newest waits in
         ``PendingHidden`` for the next call or the anchor); only the K/V is kept."""
-        g, pending = self._project(taps), cache[-1]
+        g, pending = self.project(taps), cache[-1]
         if pending.hidden is not None:  # its next token is the first one fed here
             g, nxt = mx.concatenate([pending.hidden, g], axis=1), tokens
         else:  # the prompt's first position: nothing before it
             nxt = tokens[1:]
         if n := nxt.shape[0]:
-            emb, x = self._embed(nxt[None]), g[:, :n]
+            emb, x = self.embed(nxt[None]), g[:, :n]
             mask = create_attention_mask(x, cache[0])
             *body, last = self.layers
             for i, layer in enumerate(body):
@@ -243,7 +243,7 @@ class Eagle3Drafter(nn.Module):
             layers = [batch_of([row.cache[i] for row in rows]) for i in range(len(self.layers))]
         hidden = mx.concatenate([row.cache[-1].hidden for row in rows])
         for _ in range(walk.steps):  # each pass adds K/V that is dropped below
-            emb = self._embed(walk.last[:, None])
+            emb = self.embed(walk.last[:, None])
             mask = create_attention_mask(hidden, layers[0])
             for i, (layer, cache) in enumerate(zip(self.layers, layers)):
                 hidden = layer(hidden, emb if i == 0 else None, mask, cache)
@@ -255,7 +255,7 @@ class Eagle3Drafter(nn.Module):
                 cache.trim(walk.steps)
         return walk.drafted()
 
-    def _project(self, taps: mx.array) -> mx.array:
+    def project(self, taps: mx.array) -> mx.array:
         """g: the joined taps ([1, T, n*H]) projected to the head's width by ``fc``."""
         if self.config.norm_before_fc:
             taps = self.input_norm(taps)
@@ -263,6 +263,11 @@ class Eagle3Drafter(nn.Module):
             chunks = mx.split(taps, len(self.fc_norm), axis=-1)
             taps = mx.concatenate([n(x) for n, x in zip(self.fc_norm, chunks)], axis=-1)
         return self.fc(taps)
+
+    @property
+    def target_ids(self) -> mx.array | None:
+        """Each draft id's target id (None: the draft vocabulary is the target's)."""
+        return self._hot
 
     def _logits(self, hidden: mx.array) -> mx.array:
         """Logits over the target's vocabulary: the draft vocabulary's at their target ids,
@@ -273,7 +278,8 @@ class Eagle3Drafter(nn.Module):
         full = mx.full((*logits.shape[:-1], self.config.vocab_size), -mx.inf, logits.dtype)
         return mx.put_along_axis(full, mx.broadcast_to(self._hot, logits.shape), logits, axis=-1)
 
-    def _embed(self, tokens: mx.array) -> mx.array:
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The target's embeddings of ``tokens`` (the head shares them)."""
         if self._target is None:
             raise RuntimeError("Eagle3Drafter.bind(target) must be called before use")
         return self._target[0](tokens)

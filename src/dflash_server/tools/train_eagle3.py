@@ -94,7 +94,7 @@ def init_eagle3(
     d2t = frequent_tokens(windows, draft_vocab, V) if draft_vocab < V else None
     head.set_vocabulary(d2t)
     lm_head = target_head_weights(model)[1]
-    head.lm_head.weight = lm_head if head._hot is None else lm_head[head._hot]
+    head.lm_head.weight = lm_head if head.target_ids is None else lm_head[head.target_ids]
     head.norm.weight = parts.backbone.norm.weight
     head.set_dtype(mx.float32)
     mx.eval(head.parameters())
@@ -181,14 +181,14 @@ def ttt_logits(
     as its earlier drafts (rows past the sequence end are padding, read by nothing valid)."""
     c = head.config
     R = tokens.shape[1] - 1
-    x = head._project(taps[:, :R])
+    x = head.project(taps[:, :R])
     caches = [Unrolled() for _ in head.layers]
     causal = mx.tril(mx.ones((R, R), dtype=mx.bool_))
     eye = mx.eye(R, dtype=mx.bool_)
     out = []
     for j in range(steps):
         ids = tokens[:, 1:] if j == 0 else mx.pad(labels[:, 1 + j :], [(0, 0), (0, j)])
-        emb = head._embed(ids)
+        emb = head.embed(ids)
         mask = mx.concatenate([causal, *[eye] * j], axis=1)  # step 0's causal keys, then own
         h = x
         for i, (layer, cache) in enumerate(zip(head.layers, caches)):
@@ -212,7 +212,7 @@ def make_eagle3_loss(args: argparse.Namespace, model: nn.Module) -> LossFn:
     ) -> tuple[mx.array, mx.array, mx.array]:
         steps = weights.shape[0]
         T = batch.tokens.shape[1]
-        c, hot = head.config, head._hot  # draft id -> target id (None: the same vocabulary)
+        c, hot = head.config, head.target_ids  # draft id -> target id (None: the same vocabulary)
         logits = ttt_logits(head, batch.tokens, batch.labels, batch.taps, steps)
         if soft:
             assert batch.final is not None, "EAGLE-3's loss reads the target's final states"
@@ -263,10 +263,10 @@ def save_eagle3(
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
                for k, v in weights.items()}  # fmt: skip
     c = head.config
-    if head._hot is not None:
-        weights["d2t"] = (head._hot - mx.arange(c.draft_vocab_size)).astype(mx.int64)
+    if head.target_ids is not None:
+        weights["d2t"] = (head.target_ids - mx.arange(c.draft_vocab_size)).astype(mx.int64)
         t2d = mx.zeros((c.vocab_size,), dtype=mx.bool_)
-        t2d[head._hot] = True
+        t2d[head.target_ids] = True
         weights["t2d"] = t2d
     for old in out.glob("model*.safetensors"):  # a smaller re-export must not leave stale shards
         old.unlink()
