@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from dflash_server.engine.kv_budget import gib
 from dflash_server.engine.model_slots import LOADED, LOADING, UNLOADED, Resident, Slot
 from dflash_server.engine.worker import Engine
 from dflash_server.generation.pauses import pausing
@@ -137,8 +138,8 @@ class Residency:
     def _no_room(self, slot: Slot) -> str:
         held = ", ".join(f"{s.id!r}" for s in self.slots if s.state == LOADED and s is not slot)
         return (
-            f"model {slot.id!r} needs about {slot.expected / 2**30:.2f} GiB but the models' "
-            f"memory budget ({self.budget / 2**30:.2f} GiB) is held by busy or pinned models "
+            f"model {slot.id!r} needs about {gib(slot.expected)} but the models' "
+            f"memory budget ({gib(self.budget)}) is held by busy or pinned models "
             f"({held or 'none'}): retry later, or raise --max-model-memory"
         )
 
@@ -201,7 +202,7 @@ class Residency:
             slot.finished_loads += 1
             slot.last_used = time.monotonic()
         log.info(
-            "model %r loaded in %.1f s (%.2f GiB of weights; %.2f GiB counted against the budget)",
-            slot.id, seconds, weights / 2**30, slot.charge / 2**30,
+            "model %r loaded in %.1f s (%s of weights; %s counted against the budget)",
+            slot.id, seconds, gib(weights), gib(slot.charge),
         )  # fmt: skip
         self._on_loaded()
