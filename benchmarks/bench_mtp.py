@@ -31,6 +31,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,9 @@ class Runner:
     ) -> tuple[list[list[int]], dict[str, float]]:
         """All ``prompts`` as concurrent rows; their tokens, and the run's committed tokens,
         target cycles (per row), suffix-copied tokens, decode seconds."""
-        pair, batch = self.pairs[drafter], self.batches[drafter]
-        pair.suffix_index = SharedSuffixIndex(SUFFIX_INDEX_BYTES)  # nothing from other runs
+        batch = self.batches[drafter]
+        # The pair seen with an empty index of recent outputs: nothing from other runs.
+        pair = replace(self.pairs[drafter], suffix_index=SharedSuffixIndex(SUFFIX_INDEX_BYTES))
         runs = [Generation(pair, GenerationRequest(tuple(p), n, block=block)) for p in prompts]
         index = {g.row: i for i, g in enumerate(runs)}
         for g in runs:
@@ -165,8 +167,8 @@ class Runner:
                     arrivals[index[row]].append((time.perf_counter(), len(commit.tokens)))
                     tokens[index[row]].extend(commit.tokens)
         # Decode phase: once every stream has its first token (prefills done), to the end.
-        begin = max(a[0][0] for a in arrivals)
-        end = max(a[-1][0] for a in arrivals)
+        begin = max(a[0][0] for a in arrivals if a)  # a row may end at once (its EOS)
+        end = max(a[-1][0] for a in arrivals if a)
         stats = [g.row.stats for g in runs]
         return tokens, {
             "tokens": sum(k for a in arrivals for t, k in a if t > begin),
