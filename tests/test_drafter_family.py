@@ -59,6 +59,7 @@ def test_a_registered_family_is_served_exactly(tiny_hybrid_path: Path, toy: Path
     assert stats["block_size"] == 4 and stats["drafted"] > 0  # the toy drafted every cycle
 
 
+@pytest.mark.slow  # a server per family; tests/test_dspark.py and test_eagle3.py check them in-process
 @pytest.mark.parametrize("family", ["DSpark", "EAGLE-3"])
 def test_published_families_are_served_exactly(
     family: str, tiny_hybrid_path: Path, tiny_hybrid: Any, tmp_path: Path

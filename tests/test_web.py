@@ -27,10 +27,13 @@ from server_fixtures import (
 )
 
 CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason="needs Debian's chromium at /usr/bin/chromium (.ci/run installs it)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's chromium at /usr/bin/chromium (.ci/run installs it)",
+    ),
+    pytest.mark.slow,  # a browser process per module: the slow tier (docs/development.md)
+]
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
 
 ARGS = [
