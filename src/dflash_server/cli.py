@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 # Everything else is imported where a command needs it: --version and every --help answer at
@@ -224,11 +225,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dflash-serve``; returns the process exit code. Ctrl-C while importing,
     reading settings or downloading ends it with 130 and one line (the server's own run
     handles it from there: ``serve/server.py``)."""
+    if argv is None:  # the command itself, not a caller's test of main()
+        signal.signal(signal.SIGINT, _interrupted)
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:
         print("dflash-serve: interrupted (Ctrl-C)", file=sys.stderr)
         return INTERRUPTED
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C before the server runs (uvicorn installs its own handler meanwhile): one line and
+    130 at once. A KeyboardInterrupt can be lost inside a library's import, and an interpreter
+    shutdown waits for threads the imports started; ending here depends on neither."""
+    os.write(2, b"dflash-serve: interrupted (Ctrl-C)\n")
+    os._exit(INTERRUPTED)
 
 
 def _main(args: list[str]) -> int:
