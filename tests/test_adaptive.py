@@ -407,3 +407,17 @@ def test_measure_costs(tiny_hybrid, family):
     # log/exp round trip may leave the last bit either way).
     assert measured.cycle(draft.config.block_size) >= measured.cycle(2) * (1 - 1e-9) > 0
     assert "cycle cost (ms): plain step" in measured.describe()
+
+
+def test_a_choice_the_batch_narrows_to_plain_is_followed_for_a_while() -> None:
+    """A batch's budget ran the controller's drafted choice as a plain step: it decodes
+    plainly as if it had decided so, re-checking every 8th step (not every step: the check
+    weighs every width, on every row of every pass)."""
+    c = BlockController(16, costs())
+    for _ in range(5):
+        c.observe(16, 15, None)  # full blocks: speculation pays
+    assert c.next_size(100) > 1
+    c.narrowed(1)
+    c.observe(1, 0, None)
+    sizes = [c.next_size(100) for _ in range(8)]
+    assert sizes[:7] == [1] * 7 and sizes[7] > 1

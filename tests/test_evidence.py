@@ -136,3 +136,56 @@ def test_after_copy_heavy_requests_the_drafter_drafts_again(
         assert run(copied, "copied").sources["suffix"]["tokens"] > n / 2
     stats = run(fresh, "fresh")  # nothing to copy
     assert stats.sources["drafter"]["tokens"] > 0.8 * n, stats.as_dict()
+
+
+class Optimist(FixedBlock):
+    """An adaptive row that always asks for ``width`` and expects every draft accepted."""
+
+    adaptive = True
+
+    def expected(self, choice: Choice, width: int) -> float:
+        return float(width)
+
+
+def test_a_batch_judges_its_drafted_passes_by_what_they_delivered(
+    tiny_hybrid: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that promise full blocks and get none accepted: the curves (exact here) keep
+    predicting a win, but what the drafted passes delivered (``PassCosts.bias``) sends the
+    batch to plain decoding, probed rarely (a probe's predicted loss spread over the plain
+    passes before it). Rows whose drafts then hold win it back at a probe. Every answer is
+    plain decoding's."""
+    model, tokenizer = tiny_hybrid
+    width = 8
+    prompt = list(tokenizer.encode("def fibonacci(n):"))
+    answer = plain_greedy(model, prompt, 160)
+    inner = random_drafter(model, block_size=16)
+    costs = PassCosts(dict(MEMORY_BOUND.plain), dict(MEMORY_BOUND.speculative))
+
+    def run(accept: int, n: int) -> tuple[int, int]:
+        draft = ReplayDrafter(prompt + answer + [1] * 20, [accept], inner)
+        target = TargetModel(model, draft.config.target_layer_ids)
+        PassClock(monkeypatch, target, MEMORY_BOUND)
+        batch = BatchDecoder(target, costs=costs)
+        specs = {}
+        for i in range(4):
+            row = Row(target, draft, TokenSampler(SamplingParams()), Optimist(width))
+            specs[i] = (row, prompt, n)
+        drafted = 0
+        observe = costs.observe
+
+        def counted(rows: int, w: int, *args: Any) -> float:
+            nonlocal drafted
+            drafted += w > 1
+            return observe(rows, w, *args)
+
+        monkeypatch.setattr(costs, "observe", counted)
+        for commits in step_rows(batch, specs).values():
+            assert [t for c in commits for t in c.tokens] == answer[:n]
+        return drafted, batch.passes
+
+    drafted, passes = run(accept=0, n=48)
+    assert costs.bias is not None and costs.bias < -1.0
+    assert drafted <= 3 and passes >= 47  # the first drafted pass, and a probe or two
+    drafted, passes = run(accept=width - 1, n=160)  # every draft right now: a probe pays
+    assert drafted >= 10 and passes < 120, (drafted, passes)

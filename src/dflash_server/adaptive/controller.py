@@ -210,6 +210,13 @@ class BlockController:
         self.speculating = size > 1 and not self.probing
         return size
 
+    def narrowed(self, size: int) -> None:
+        """A batch's budget runs the last choice at ``size`` positions: at 1, the controller
+        decodes plainly as if it had decided so (re-checking every few steps, not every step)."""
+        if size <= 1:
+            self.speculating = self.probing = False
+            self.plain_run = max(self.plain_run, 1)
+
     def observe(
         self,
         size: int,

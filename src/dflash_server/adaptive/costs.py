@@ -39,6 +39,8 @@ _EARLY, _EARLY_CLIP = 3, math.log(50.0)
 def interp(points: dict[int, float], x: int) -> float:
     """The curve through ``points`` at ``x``: linear between the measured points, extended
     from the nearest two outside them."""
+    if x in points:  # a measured point (most calls: it runs several times per pass)
+        return points[x]
     xs = sorted(points)
     if x <= xs[0]:
         lo, hi = xs[0], xs[min(1, len(xs) - 1)]
@@ -115,10 +117,10 @@ class CostModel:
             if size in self.verify_residual:
                 return self.verify_residual[size]
             return interp(self.verify_residual, size)
+        if size in self.residual:
+            return self.residual[size]
         same_kind = {w: r for w, r in self.residual.items() if (w > 1) == (size > 1)}
-        if size in same_kind or not same_kind:
-            return same_kind.get(size, 0.0)
-        return interp(same_kind, size)
+        return interp(same_kind, size) if same_kind else 0.0
 
     def cycle(self, size: int, drafted: bool = True, context: int = 0) -> float:
         """The current estimate: the component estimate times calibration and refinement."""

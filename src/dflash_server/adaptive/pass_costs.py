@@ -10,6 +10,13 @@ passes of 1..16 rows, speculative passes (one batched drafter pass plus a record
 row's context adds attention work (the pair's per-token growth, ``CostModel.slope``), and every
 pass the engine runs refines the curves (``observe``: a log residual per point, as the cycle
 costs do), so a calibration taken at a busy moment is corrected by real traffic.
+
+The budget's predictions can still be wrong (where a pass's host work per row is as large as
+its compute; where the rows' acceptance estimates are optimistic), so each drafted pass is also
+judged by what it delivered: ``bias``, the decayed log ratio of its realized speedup over plain
+to the speedup the budget predicted for it. A drafted cap must beat plain with the bias added;
+a new mix of rows whose drafts promise far more still drafts at once
+(docs/design.md, "Batching under speculation").
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ _PASS_CLIP = math.log(3.0)  # one pass moves a residual by at most this (log) fa
 _EARLY, _EARLY_CLIP = 3, math.log(50.0)  # the first real speculative passes lower the load-time
 # calibration to the fastest of them (into the drift all speculative points share: a busy moment
 # only adds time); a slower one refines it as later passes do
+_BIAS_ALPHA = 0.3  # weight of one drafted pass in the budget's bias
+_MARGIN = math.log(1.03)  # drafting must beat plain by this much, bias included (a tie: plain)
 
 
 @dataclass
@@ -46,6 +55,8 @@ class PassCosts:
     plain_drift: float = 0.0  # log correction every plain point shares
     spec_drift: float = 0.0  # the same for speculative points
     checked: int = 0  # real speculative passes observed (0: the calibration alone)
+    bias: float | None = None  # log realized / predicted speedup of drafted passes (decayed)
+    paid: bool = False  # the last drafted pass beat plain by the margin
 
     def base(self, rows: int, width: int, contexts: Sequence[int] = ()) -> float:
         """The measured curve at this pass, plus attention over the rows' ``contexts`` past
@@ -64,14 +75,28 @@ class PassCosts:
         """The estimate: the measured curve refined by the passes seen since."""
         return self.base(rows, width, contexts) * math.exp(self._correction(rows, width))
 
-    def observe(self, rows: int, width: int, seconds: float, contexts: Sequence[int] = ()) -> float:
+    def observe(
+        self,
+        rows: int,
+        width: int,
+        seconds: float,
+        contexts: Sequence[int] = (),
+        committed: int = 0,
+        predicted: float = 0.0,
+    ) -> float:
         """Fold a real pass's wall time into the curve (log space, clipped: one slow pass
         cannot flip the budget): half into the drift every point of its kind shares (a busy
         measure inflated them all), half into its own point; the first speculative
-        passes, when faster than estimated, go wholly into the drift (``_EARLY``). Return
-        log(seconds / estimate)."""
+        passes, when faster than estimated, go wholly into the drift (``_EARLY``). A drafted
+        pass's ``committed`` tokens, against the log speedup ``predicted`` for it
+        (``predicted_gain``), move ``bias``. Return log(seconds / estimate)."""
         if not seconds > 0:
             return 0.0
+        if width > 1 and committed > 0:  # its tokens/s over a plain pass's rows/s, here
+            realized = math.log(committed * self.cost(rows, 1, contexts) / (rows * seconds))
+            last = realized - predicted if self.bias is None else self.bias
+            self.bias = (1 - _BIAS_ALPHA) * last + _BIAS_ALPHA * (realized - predicted)
+            self.paid = realized >= _MARGIN
         residuals, x = self._residuals(rows, width)
         error = math.log(seconds / self.base(rows, width, contexts))
         error -= self._correction(rows, width)
@@ -128,11 +153,28 @@ class BudgetRow(Protocol):
         ...
 
 
+def pass_value(
+    rows: Sequence[BudgetRow], choices: Sequence[Choice], widths: Sequence[int], costs: PassCosts
+) -> float:
+    """Expected committed tokens per second of a pass running ``choices`` at ``widths``."""
+    tokens = sum(r.policy.expected(c, w) for r, c, w in zip(rows, choices, widths))
+    return tokens / costs.cost(len(rows), max(widths), [row.position for row in rows])
+
+
+def predicted_gain(rows: Sequence[BudgetRow], choices: Sequence[Choice], costs: PassCosts) -> float:
+    """Log of the speedup over plain decoding the curves predict for a pass of ``choices``."""
+    sizes = [c.size for c in choices]
+    return math.log(
+        pass_value(rows, choices, sizes, costs) / pass_value(rows, choices, [1] * len(rows), costs)
+    )
+
+
 def choose_widths(
-    rows: Sequence[BudgetRow], choices: Sequence[Choice], costs: PassCosts
+    rows: Sequence[BudgetRow], choices: Sequence[Choice], costs: PassCosts, judged: bool = True
 ) -> list[int]:
     """Cap the adaptive rows' chosen widths where the batch's tokens per second is highest
-    (a fixed width is the request's own choice: kept)."""
+    (a fixed width is the request's own choice: kept); with ``judged``, a drafted cap must beat
+    plain by ``_MARGIN`` after the drafted passes' ``bias``."""
     wanted = [c.size for c in choices]
     adaptive = [row.policy.adaptive for row in rows]
     if not any(adaptive):
@@ -141,12 +183,9 @@ def choose_widths(
     def widths(cap: int) -> list[int]:
         return [min(w, cap) if a else w for w, a in zip(wanted, adaptive)]
 
-    contexts = [row.position for row in rows]
-
-    def value(cap: int) -> float:
-        ws = widths(cap)
-        tokens = sum(r.policy.expected(c, w) for r, c, w in zip(rows, choices, ws))
-        return tokens / costs.cost(len(ws), max(ws), contexts)
-
-    caps = sorted({1, *wanted})
-    return widths(max(caps, key=value))
+    values = {cap: pass_value(rows, choices, widths(cap), costs) for cap in sorted({1, *wanted})}
+    best = max(values, key=values.__getitem__)
+    bias = costs.bias if judged else None
+    if best > 1 and bias is not None and math.log(values[best] / values[1]) + bias < _MARGIN:
+        best = 1
+    return widths(best)

@@ -71,6 +71,10 @@ class WidthPolicy(Protocol):
         that looks ahead past the next token does not, then."""
         ...
 
+    def narrowed(self, size: int) -> None:
+        """A batch's verify budget runs the last choice at ``size`` positions instead."""
+        ...
+
     def observe(
         self,
         size: int,
@@ -106,6 +110,9 @@ class FixedBlock:
 
     def might_copy(self, room: int, proposal: Proposal | None) -> bool:
         return False
+
+    def narrowed(self, size: int) -> None:
+        pass
 
     def observe(
         self,

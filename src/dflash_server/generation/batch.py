@@ -36,7 +36,7 @@ from typing import cast
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.adaptive.pass_costs import PassCosts, choose_widths
+from dflash_server.adaptive.pass_costs import PassCosts, choose_widths, predicted_gain
 from dflash_server.adaptive.policy import DRAFTER, SUFFIX, Choice
 from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
@@ -49,8 +49,9 @@ from dflash_server.generation.target import TargetModel
 from dflash_server.models.mrope import Positions
 
 Outcome = Commit | Exception  # what a step hands a row: its commit, or the error that ended it
-_PROBE_GAP, _MAX_PROBE_GAP = 4, 64  # narrowed passes before the budget lets one through
+_PROBE_GAP, _MAX_PROBE_GAP = 4, 256  # narrowed passes before the budget lets one through
 _OFF = math.log(1.5)  # a pass this much cheaper than estimated says the costs are off
+_PROBE_BUDGET = 0.02  # a probe's predicted loss, as a share of the plain passes before it
 
 
 class BatchDecoder:
@@ -241,8 +242,8 @@ class BatchDecoder:
             if budget == widths:  # nothing narrowed: probing starts over once drafts ran
                 if max(widths) > 1:
                     self._capped, self._probe_gap = 0, _PROBE_GAP
-            elif not self._probe():
-                widths = budget
+            else:
+                widths = self._probe(rows, choices) or budget
         if self.max_verify is not None:
             free = [not row.pinned for row in rows]
             while len(rows) * max(widths) > self.max_verify:
@@ -250,20 +251,37 @@ class BatchDecoder:
                 if top <= 1:
                     break
                 widths = [w - 1 if w == top and f else w for w, f in zip(widths, free)]
+        for row, c, w in zip(rows, choices, widths):
+            if w < c.size:
+                row.policy.narrowed(w)
         return [c.narrow(w) for c, w in zip(choices, widths)]
 
-    def _probe(self) -> bool:
-        """Whether to let the rows' own widths through a pass the budget would narrow, to
-        measure it (its costs may come from a busy moment): after a gap of narrowed passes
-        that doubles, up to ``_MAX_PROBE_GAP``, while the budget keeps narrowing; at once
-        while no real speculative pass has checked the calibration."""
-        if self.costs is not None and not self.costs.checked:
-            return True
+    def _probe(self, rows: list[Row], choices: list[Choice]) -> list[int] | None:
+        """The widths of a probe, when one is due: a pass the budget would narrow, let through
+        to measure it (its costs may come from a busy moment) at the curves' own cap (their
+        judgement aside), or at the rows' own widths where the curves say plain. Due at once
+        while no real speculative pass has checked the calibration; else after a gap of
+        narrowed passes that doubles (up to ``_MAX_PROBE_GAP``) while the budget keeps
+        narrowing, and at least long enough that the probe's predicted loss is
+        ``_PROBE_BUDGET`` of the plain passes around it."""
+        assert self.costs is not None
+        checked = self.costs.checked
         self._capped += 1
-        if self._capped < self._probe_gap:
-            return False
+        if checked and self._capped < self._probe_gap:
+            return None
+        curves = choose_widths(rows, choices, self.costs, judged=False)
+        widths = curves if max(curves) > 1 else [c.size for c in choices]
+        if checked:
+            probe = [c.narrow(w) for c, w in zip(choices, widths)]
+            gain = predicted_gain(rows, probe, self.costs) + (self.costs.bias or 0.0)
+            contexts = [row.position for row in rows]
+            passes = self.costs.cost(len(rows), max(widths), contexts) / self.costs.cost(
+                len(rows), 1, contexts
+            )
+            if self._capped < passes * (1 - math.exp(min(0.0, gain))) / _PROBE_BUDGET:
+                return None
         self._capped, self._probe_gap = 0, min(2 * self._probe_gap, _MAX_PROBE_GAP)
-        return True
+        return widths
 
     def _verify(self, rows: list[Row], plan: dict[Row, Choice] | None) -> dict[Row, Commit]:
         """One pass: draft, verify every row in one forward, score and commit each row, then
@@ -277,6 +295,9 @@ class BatchDecoder:
             # A drafter may cut a block short (DSpark's confidence head): verify what it drafted.
             choices = [c.narrow(_size(d)) for c, (d, _) in zip(choices, drafts)]
             width = max(c.size for c in choices)
+            predicted = 0.0
+            if self.costs is not None and width > 1:
+                predicted = predicted_gain(rows, choices, self.costs)
             inputs = []
             for row, (proposal, _) in zip(rows, drafts):
                 tokens = row.last if proposal is None else mx.concatenate([row.last, proposal])
@@ -318,8 +339,11 @@ class BatchDecoder:
         if self.costs is not None:
             seconds = time.perf_counter() - start
             contexts = [row.position for row in rows]
-            error = self.costs.observe(len(rows), width, seconds, contexts)
-            if self._capped == 0 and error < -_OFF:  # a probe far cheaper: probe again soon
+            committed = sum(row.kept for row in rows)
+            error = self.costs.observe(len(rows), width, seconds, contexts, committed, predicted)
+            # A probe far cheaper than estimated, or one that paid: probe again soon.
+            paid = width > 1 and self.costs.paid
+            if self._capped == 0 and (error < -_OFF or paid):
                 self._probe_gap = _PROBE_GAP
         self.passes += 1
         self.last_pass = (len(rows), len(rows) * width)
