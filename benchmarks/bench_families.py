@@ -99,17 +99,22 @@ def prepare(args: argparse.Namespace) -> dict:
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def timed(runner: Runner, name: str | None, block: BlockPolicy, prompts, n: int, streams: int):
-    """Every prompt once, ``streams`` at a time: (outputs, totals)."""
-    total = dict.fromkeys(("tokens", "seconds", "committed", "cycles", "suffix"), 0.0)
-    outs: list[list[int]] = [[] for _ in prompts]
-    for group in groups(prompts, streams):
-        got_outs, got = runner.run(name, block, [prompts[i] for i in group], n)
-        for i, out in zip(group, got_outs):
-            outs[i] = out
-        for k in total:
-            total[k] += got[k]
-    return outs, total
+def timed(runner: Runner, modes: dict, names: list[str], prompts, n: int, streams: int, rep: int):
+    """Every prompt once, ``streams`` at a time, under each mode: each group of prompts runs
+    under every mode back to back (order rotated by ``rep``), so a slow moment of the machine
+    falls on all modes alike. Mode -> (outputs, totals)."""
+    keys = ("tokens", "seconds", "committed", "cycles", "suffix")
+    out = {m: ([[] for _ in prompts], dict.fromkeys(keys, 0.0)) for m in names}
+    for g, group in enumerate(groups(prompts, streams)):
+        turn = (rep + g) % len(names)
+        for mode in names[turn:] + names[:turn]:
+            got_outs, got = runner.run(*modes[mode], [prompts[i] for i in group], n)
+            outs, total = out[mode]
+            for i, tokens in zip(group, got_outs):
+                outs[i] = tokens
+            for k in keys:
+                total[k] += got[k]
+    return out
 
 
 def copy_prompts(held: list[str], model: Any, tokenizer: Any, n: int) -> list[list[int]]:
@@ -149,9 +154,8 @@ def measure_families(args, runner: Runner, prompts, widths: dict[str, int]) -> l
     sums: dict[tuple[int, str], list[dict]] = {}
     for rep in range(args.repeats):
         for streams in args.streams:
-            names = list(modes)
-            for mode in names[rep % len(names) :] + names[: rep % len(names)]:
-                outs, total = timed(runner, *modes[mode], prompts, args.gen_tokens, streams)
+            results = timed(runner, modes, list(modes), prompts, args.gen_tokens, streams, rep)
+            for mode, (outs, total) in results.items():
                 for i, out in enumerate(outs):
                     assert out == reference.setdefault(i, out), f"{mode} changed the output"
                 sums.setdefault((streams, mode), []).append(total)
@@ -173,10 +177,8 @@ def measure_suffix(args, runner: Runner, copies, fresh, width: int) -> list[dict
     }
     sums: dict[tuple[str, str], list[dict]] = {}
     for rep in range(args.repeats):
-        names = list(modes)
-        for mode in names[rep % len(names) :] + names[: rep % len(names)]:
-            for workload, (prompts, n) in (("copy", copies), ("nothing to copy", fresh)):
-                _, total = timed(runner, *modes[mode], prompts, n, 4)
+        for workload, (prompts, n) in (("copy", copies), ("nothing to copy", fresh)):
+            for mode, (_, total) in timed(runner, modes, list(modes), prompts, n, 4, rep).items():
                 sums.setdefault((workload, mode), []).append(total)
     rows = [row(4, w, m, t, sums[(w, "plain")]) for (w, m), t in sums.items()]
     for r in rows:
@@ -268,7 +270,7 @@ def main() -> None:
     ap.add_argument("--copy-tokens", type=int, default=64, help="tokens per copy answer")
     ap.add_argument("--suffix", type=int, default=32, help="longest suffix copy verified")
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 8])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--proxy-hidden", type=int, default=2048)
     ap.add_argument("--proxy-layers", type=int, default=4)
     ap.add_argument("--proxy-tokens", type=int, default=32)

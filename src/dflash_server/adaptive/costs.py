@@ -22,6 +22,7 @@ decide for the server's whole life.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -42,17 +43,11 @@ def interp(points: dict[int, float], x: int) -> float:
     if x in points:  # a measured point (most calls: it runs several times per pass)
         return points[x]
     xs = sorted(points)
-    if x <= xs[0]:
-        lo, hi = xs[0], xs[min(1, len(xs) - 1)]
-    elif x >= xs[-1]:
-        lo, hi = xs[max(0, len(xs) - 2)], xs[-1]
-    else:
-        hi = next(v for v in xs if v >= x)
-        lo = max(v for v in xs if v <= x)
-    if hi == lo:
-        return points[lo]
-    slope = (points[hi] - points[lo]) / (hi - lo)
-    return points[lo] + slope * (x - lo)
+    if len(xs) == 1:
+        return points[xs[0]]
+    i = bisect.bisect_left(xs, x)  # the segment [xs[i-1], xs[i]], the end ones outside
+    lo, hi = (xs[0], xs[1]) if i == 0 else (xs[-2], xs[-1]) if i == len(xs) else (xs[i - 1], xs[i])
+    return points[lo] + (points[hi] - points[lo]) / (hi - lo) * (x - lo)
 
 
 def rising(points: dict[int, float]) -> dict[int, float]:

@@ -12,10 +12,11 @@ pass the engine runs refines the curves (``observe``: a log residual per point, 
 costs do), so a calibration taken at a busy moment is corrected by real traffic.
 
 The budget's predictions can still be wrong (where a pass's host work per row is as large as
-its compute; where the rows' acceptance estimates are optimistic), so each drafted pass is also
-judged by what it delivered: ``bias``, the decayed log ratio of its realized speedup over plain
-to the speedup the budget predicted for it. A drafted cap must beat plain with the bias added;
-a new mix of rows whose drafts promise far more still drafts at once
+its compute; where the rows' acceptance estimates are optimistic), so each pass with drafter rows
+is also judged by what it delivered: ``bias``, the decayed log ratio of its realized speedup over
+plain to the speedup the budget predicted for it. The drafter's rows must add the margin with the
+bias included (suffix copies, which need no drafter pass, are not judged by the drafter's
+record); a new mix of rows whose drafts promise far more still drafts at once
 (docs/design.md, "Batching under speculation").
 """
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dflash_server.adaptive.costs import context_past, interp
-from dflash_server.adaptive.policy import Choice, WidthPolicy
+from dflash_server.adaptive.policy import DRAFTER, Choice, WidthPolicy
 
 _PASS_ALPHA = 0.5  # weight of one observed pass (half shared by its kind, half its point's)
 _PASS_CLIP = math.log(3.0)  # one pass moves a residual by at most this (log) factor
@@ -82,17 +83,18 @@ class PassCosts:
         seconds: float,
         contexts: Sequence[int] = (),
         committed: int = 0,
-        predicted: float = 0.0,
+        predicted: float | None = None,
     ) -> float:
         """Fold a real pass's wall time into the curve (log space, clipped: one slow pass
         cannot flip the budget): half into the drift every point of its kind shares (a busy
         measure inflated them all), half into its own point; the first speculative
         passes, when faster than estimated, go wholly into the drift (``_EARLY``). A drafted
         pass's ``committed`` tokens, against the log speedup ``predicted`` for it
-        (``predicted_gain``), move ``bias``. Return log(seconds / estimate)."""
+        (``predicted_gain``; None: no drafter row), move ``bias``. Return log(seconds /
+        estimate)."""
         if not seconds > 0:
             return 0.0
-        if width > 1 and committed > 0:  # its tokens/s over a plain pass's rows/s, here
+        if predicted is not None and committed > 0:  # tokens/s over a plain pass's rows/s, here
             realized = math.log(committed * self.cost(rows, 1, contexts) / (rows * seconds))
             last = realized - predicted if self.bias is None else self.bias
             self.bias = (1 - _BIAS_ALPHA) * last + _BIAS_ALPHA * (realized - predicted)
@@ -173,8 +175,9 @@ def choose_widths(
     rows: Sequence[BudgetRow], choices: Sequence[Choice], costs: PassCosts, judged: bool = True
 ) -> list[int]:
     """Cap the adaptive rows' chosen widths where the batch's tokens per second is highest
-    (a fixed width is the request's own choice: kept); with ``judged``, a drafted cap must beat
-    plain by ``_MARGIN`` after the drafted passes' ``bias``."""
+    (a fixed width is the request's own choice: kept); with ``judged``, the drafter's rows must
+    add ``_MARGIN`` after the drafted passes' ``bias``, else they decode plainly (suffix
+    copies, verified without a drafter pass, keep the cap)."""
     wanted = [c.size for c in choices]
     adaptive = [row.policy.adaptive for row in rows]
     if not any(adaptive):
@@ -184,8 +187,15 @@ def choose_widths(
         return [min(w, cap) if a else w for w, a in zip(wanted, adaptive)]
 
     values = {cap: pass_value(rows, choices, widths(cap), costs) for cap in sorted({1, *wanted})}
-    best = max(values, key=values.__getitem__)
-    bias = costs.bias if judged else None
-    if best > 1 and bias is not None and math.log(values[best] / values[1]) + bias < _MARGIN:
-        best = 1
-    return widths(best)
+    best = widths(max(values, key=values.__getitem__))
+    if judged and costs.bias is not None:  # the drafter's rows, judged by what they delivered
+        undrafted = [
+            1 if a and c.source == DRAFTER else w for w, a, c in zip(best, adaptive, choices)
+        ]
+        if undrafted != best:
+            gain = pass_value(rows, choices, best, costs) / pass_value(
+                rows, choices, undrafted, costs
+            )
+            if math.log(gain) + costs.bias < _MARGIN:
+                return undrafted
+    return best

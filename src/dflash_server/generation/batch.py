@@ -295,8 +295,8 @@ class BatchDecoder:
             # A drafter may cut a block short (DSpark's confidence head): verify what it drafted.
             choices = [c.narrow(_size(d)) for c, (d, _) in zip(choices, drafts)]
             width = max(c.size for c in choices)
-            predicted = 0.0
-            if self.costs is not None and width > 1:
+            predicted = None  # the budget's prediction for a pass with drafter rows
+            if self.costs is not None and any(c.source == DRAFTER for c in choices):
                 predicted = predicted_gain(rows, choices, self.costs)
             inputs = []
             for row, (proposal, _) in zip(rows, drafts):
