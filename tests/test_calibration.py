@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,3 +183,39 @@ def test_a_second_load_reads_both_costs_back(
     ]
     assert [m.split()[0] for m in hits] == ["cycle", "batch"]
     assert "--calibration-cache off" in hits[0]
+
+
+def test_measuring_lets_other_models_run_every_cycle_or_two(
+    tiny_hybrid: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first load measures the pair's costs on the worker that runs other models' passes:
+    between two of its pause points it runs at most two target forwards wider than one token
+    (a prompt is prefilled a few tokens at a time; a speculative cycle is timed after the one
+    that ran during the pause), so a stream on another model waits about one of this pair's
+    passes, not a whole calibration decode (docs/design.md, "Several models")."""
+    from dflash_server.generation.calibrate import measure_costs
+    from dflash_server.generation.calibrate_passes import measure_pass_costs
+    from dflash_server.generation.pauses import pausing
+    from dflash_server.generation.target import TargetModel
+    from dflash_server.testing import random_drafter
+
+    model, _ = tiny_hybrid
+    draft = random_drafter(model, block_size=8)
+    stretches: list[list[int]] = [[]]
+    forward = TargetModel.forward
+
+    def counted(self: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        stretches[-1].append(tokens.shape[1])
+        return forward(self, tokens, *args, **kwargs)
+
+    def hook() -> bool:
+        stretches.append([])
+        return False
+
+    monkeypatch.setattr(TargetModel, "forward", counted)
+    with pausing(hook):
+        costs = measure_costs(model, draft, long_context=256, widest=16)
+        measure_pass_costs(TargetModel(model, draft.config.target_layer_ids), draft, growth=costs)
+    wide = [[w for w in s if w > 1] for s in stretches]
+    assert max(len(s) for s in wide) <= 2, max(wide, key=len)
+    assert max(max(s, default=0) for s in stretches) <= 16  # a prompt piece, or one verify

@@ -25,6 +25,8 @@ from dflash_server.adaptive.costs import CostModel, context_past, rising
 from dflash_server.adaptive.policy import SUFFIX, Choice, FixedBlock
 from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.drafters.suffix import Proposal, SuffixProposer
+from dflash_server.generation.calibrate_passes import PREFILL_PIECE, prefill_in_pieces
+from dflash_server.generation.cycle import PREFILL_CHUNK
 from dflash_server.generation.pauses import pause
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
@@ -88,7 +90,8 @@ def measure_costs(
     draft_slope, draft_reach = 0.0, None
     if long_context > context:
         deadline = None if fixed else time.perf_counter() + budget_s
-        long = _Pieces(target, draft, long_context, widest, plain_steps, deadline, context)
+        # Half the plain steps: each timing at that context holds other models' streams.
+        long = _Pieces(target, draft, long_context, widest, plain_steps // 2, deadline, context)
         span = long_context - context
         grown = {1: long.timed(long.plain), **{w: long.timed(long.verify(w)) for w in widths}}
         shorter = {1: plain, **verify}
@@ -140,9 +143,9 @@ class _Pieces:
         self.plain_steps, self.deadline = plain_steps, deadline
         real = context if prefill is None else min(prefill, context)
         self.ids = _tiled(mx.arange(1, real + 1)[None] % 97 + 1, context + widest)
+        self.cache = target.make_cache()
+        taps = prefill_in_pieces(target, self.ids[:, :real], self.cache)
         with mx.stream(generation_stream):
-            self.cache = target.make_cache()
-            _, taps = target.forward(self.ids[:, :real], self.cache, slice(-1, None))
             if real < context and _fill(self.cache, context):
                 taps = None if taps is None else _tiled(taps, context)
             elif real < context:  # a cache it cannot fill: prefill the rest
@@ -236,26 +239,23 @@ def _calibrate(
     draft: Drafter | None,
     prompt: list[int],
     widths: list[int],
-    rounds: int = 2,
+    rounds: int = 3,
 ) -> dict[int, float]:
     """Each width's starting residual, from a short real decode at that width (plain steps and
     cycles, interleaved over ``rounds``, the lower quartile of each): the loop's own host work
     per cycle (sync, commit, bookkeeping) is what component timings miss, and it weighs
     differently by width."""
 
-    def periods(width: int, cycles: int) -> list[float]:
+    def periods(width: int) -> list[float]:
         sampler = TokenSampler(SamplingParams())
-        decoder = SpeculativeDecoder(
-            Row(target, draft if width > 1 else None, sampler, FixedBlock(width))
+        row = Row(
+            target,
+            draft if width > 1 else None,
+            sampler,
+            FixedBlock(width),
+            prefill_step_size=PREFILL_PIECE,
         )
-        stamps = []
-        for _ in decoder.generate(prompt, (cycles + 2) * width):
-            stamps.append(time.perf_counter())
-            if len(stamps) == 1:
-                pause()  # after the prefill: the one interval that is not timed
-            if len(stamps) == cycles + 2:
-                break
-        return [b - a for a, b in itertools.pairwise(stamps[1:])]  # after the prefill: cycles
+        return _cycle_times(SpeculativeDecoder(row), prompt, width)
 
     if draft is None:
         widths = [1]
@@ -263,7 +263,7 @@ def _calibrate(
     for _ in range(rounds):
         for width in widths:
             pause()
-            gaps[width] += periods(width, 6 if width == 1 else 3)
+            gaps[width] += periods(width)
     # The lower quartile, not the median: a busy moment on a shared machine only adds time,
     # and one that spans half the calibration would otherwise steer every request's choices.
     loop = {w: _low(seconds) for w, seconds in gaps.items() if seconds}
@@ -300,20 +300,36 @@ def _calibrate_copies(
     loop: dict[int, float] = {}
     for width in widths:
         pause()
-        proposer = SuffixProposer(prompt)
-        row = Row(
-            target, draft, TokenSampler(SamplingParams()), _Copies(width, costs), suffix=proposer
-        )
-        decoder = SpeculativeDecoder(row)
-        stamps = []
-        for _ in decoder.generate(prompt, (cycles + 2) * width + 1):
-            stamps.append(time.perf_counter())
-            if len(stamps) == 1:
-                pause()  # after the prefill: the one interval that is not timed
-            if len(stamps) == cycles + 2:
-                break
-        loop[width] = _low([b - a for a, b in itertools.pairwise(stamps[1:])])  # as ``_calibrate``
+        times: list[float] = []
+        for _ in range(cycles):  # one timed cycle a run (``_cycle_times``)
+            proposer = SuffixProposer(prompt)
+            sampler, policy = TokenSampler(SamplingParams()), _Copies(width, costs)
+            row = Row(
+                target, draft, sampler, policy, suffix=proposer, prefill_step_size=PREFILL_PIECE
+            )
+            times += _cycle_times(SpeculativeDecoder(row), prompt, width, extra=1)
+        loop[width] = _low(times)  # as ``_calibrate``
     return {w: math.log(t / costs.base(w, drafted=False)) for w, t in rising(loop).items()}
+
+
+def _cycle_times(
+    decoder: SpeculativeDecoder, prompt: list[int], width: int, extra: int = 0
+) -> list[float]:
+    """Seconds of real cycles of ``width`` after the prompt's prefill, with other models'
+    passes between the prefill's chunks and after its token. The first cycle after that pause
+    is not timed (the decoder queues each cycle before handing out the last one, so it ran
+    during the pause); then one speculative cycle, or six plain steps, back to back: the
+    longest stretch a load holds other models' streams (docs/design.md, "Several models")."""
+    timed = 6 if width == 1 else 1
+    steps = decoder.generate(prompt, (timed + 2) * width + extra, yield_chunks=True)
+    pause()
+    for commit in steps:  # the prefill's chunks, then its token
+        pause()
+        if commit is not PREFILL_CHUNK:
+            break
+    stamps = [time.perf_counter() for _, _ in zip(range(timed + 1), steps)]
+    steps.close()
+    return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def _tiled(x: mx.array, length: int, axis: int = 1) -> mx.array:

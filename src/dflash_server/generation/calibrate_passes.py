@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -15,6 +16,23 @@ from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.generation.pauses import pause
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.target import TargetModel
+
+PREFILL_PIECE = 8  # prompt tokens a measurement prefills between two pauses
+
+
+def prefill_in_pieces(target: TargetModel, ids: mx.array, cache: list[Any]) -> mx.array | None:
+    """Prefill ``ids`` into ``cache`` a few tokens at a time, other models' passes between
+    the pieces (``pauses.py``); the taps of every position (None: an untapped target)."""
+    taps: list[mx.array] = []
+    for begin in range(0, ids.shape[1], PREFILL_PIECE):
+        pause()
+        with mx.stream(generation_stream):
+            piece = ids[:, begin : begin + PREFILL_PIECE]
+            _, t = target.forward(piece, cache, slice(-1, None))
+            mx.eval([c.state for c in cache], *([] if t is None else [t]))
+        if t is not None:
+            taps.append(t)
+    return mx.concatenate(taps, axis=1) if taps else None
 
 
 def measure_pass_costs(
@@ -38,17 +56,18 @@ def measure_pass_costs(
 
     def timed(rows: int, w: int) -> float:
         ids = (mx.arange(rows * (context + w)).reshape(rows, -1) % 97) + 1
-        with mx.stream(generation_stream):
-            cache = target.make_cache()
-            _, taps = target.forward(ids[:, :context], cache, slice(-1, None))
-            assert taps is not None, "a target tapped for the drafter"
-            drafts = []
-            for r in range(rows):
+        cache = target.make_cache()
+        taps = prefill_in_pieces(target, ids[:, :context], cache)
+        assert taps is not None, "a target tapped for the drafter"
+        drafts = []
+        for r in range(rows):
+            pause()
+            with mx.stream(generation_stream):
                 c = draft.make_cache()
                 draft.append_context(taps[r : r + 1], c, ids[r, :context])
-                block = mx.array([[1] + [mask_id] * (w - 1)])
-                drafts.append(DraftRow(block, c, greedy))
-            mx.eval([c.state for c in cache], [c.state for d in drafts for c in d.cache])
+                mx.eval([s.state for s in c])
+            block = mx.array([[1] + [mask_id] * (w - 1)])
+            drafts.append(DraftRow(block, c, greedy))
         saved = [None if c.is_trimmable() else list(c.cache) for c in cache]
 
         def once() -> float:
