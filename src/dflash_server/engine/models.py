@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import mlx.core as mx
 
+from dflash_server.engine.allocator import trim
 from dflash_server.engine.jobs import EngineNotReady
 from dflash_server.engine.model_residency import Residency
 from dflash_server.engine.model_slots import (
@@ -242,9 +243,10 @@ class ModelSet:
                 self._cond.wait(self._timeout())
             if self._stopping:
                 return False
-        self._turn()
+        ran = self._turn()
         self.residency.unload_idle()
         self.residency.load_next()
+        trim(idle=not ran)  # freed memory back to the system (allocator.py)
         return True
 
     def _has_work(self) -> bool:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from dflash_server.engine.allocator import trim
 from dflash_server.engine.distributed import RankLost
 from dflash_server.engine.jobs import EngineNotReady, Failed, Job, QueueFull
 from dflash_server.engine.kv_budget import KVBudgetExceeded, KVLedger, build_ledger, positions
@@ -264,7 +265,7 @@ class Engine:
         try:
             with self.models.pair.wired.held():  # for the engine's lifetime
                 while self.rounds.play():
-                    pass
+                    trim(idle=not self.has_work)  # freed memory back to the system
             if self.lockstep is not None and not self._aborted:
                 self.lockstep.close()  # the other ranks exit with this one
         except RankLost as exc:

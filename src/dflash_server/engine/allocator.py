@@ -1,0 +1,63 @@
+"""Giving freed memory back to the system (Linux, glibc).
+
+MLX, Pillow and the tokenizers free their buffers with ``free``, but glibc keeps most freed
+memory in its heaps for reuse, one heap (arena) per thread that allocates, up to eight per core:
+a server's resident size then creeps up by tens of MB an hour that no cache explains (the soak
+measured 34-52 MB; ``malloc_trim(0)`` in the running server gave 47 MB back at once). So the
+worker calls ``trim`` after its rounds: every ``TRIM_EVERY_S`` while busy, and when it falls
+idle (at most every ``IDLE_TRIM_S``); ``malloc_trim(0)`` returns the free pages of every arena
+(a few milliseconds). Elsewhere (macOS, musl) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+from typing import Any
+
+TRIM_EVERY_S = 30.0
+IDLE_TRIM_S = 2.0
+
+
+def _glibc() -> Any | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl)
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+class Trimmer:
+    """``malloc_trim(0)`` at most once per ``every_s`` seconds, or per ``idle_s`` when the
+    caller has nothing left to do (``maybe``)."""
+
+    def __init__(self, every_s: float = TRIM_EVERY_S, idle_s: float = IDLE_TRIM_S) -> None:
+        self.every_s, self.idle_s = every_s, idle_s
+        self._libc = _glibc()
+        self._last = time.monotonic()
+        self.trims = 0
+
+    @property
+    def available(self) -> bool:
+        return self._libc is not None
+
+    def maybe(self, idle: bool = False) -> bool:
+        """Trim if long enough passed since the last time; whether it did."""
+        since = time.monotonic() - self._last
+        if self._libc is None or since < (self.idle_s if idle else self.every_s):
+            return False
+        self._libc.malloc_trim(0)
+        self._last = time.monotonic()
+        self.trims += 1
+        return True
+
+
+_PROCESS = Trimmer()  # malloc_trim works on the whole process: one schedule for every worker
+
+
+def trim(idle: bool = False) -> bool:
+    """After a worker's round (``idle``: it has nothing left to do): the process's trim."""
+    return _PROCESS.maybe(idle)
