@@ -252,3 +252,12 @@ def test_group_size_must_divide_the_heads(tiny_hybrid) -> None:
     model, tokenizer = tiny_hybrid  # 16-wide heads: no group size divides them
     with pytest.raises(ValueError, match="does not divide the model's attention head size 16"):
         next(stream_generate(model, None, tokenizer, [1, 2, 3], kv_bits=8, kv_group_size=32))
+
+
+def test_a_model_without_make_cache_is_sized(tiny_attn: Any) -> None:
+    """qwen3 (like llama) has no ``make_cache``: mlx-lm gives it one KVCache per layer, and the
+    KV budget sizes it (it once logged "KV memory budget: none" for such models)."""
+    model, _ = tiny_attn
+    assert not hasattr(model, "make_cache")
+    g = kv_geometry(model)
+    assert g is not None and g.kv_elements > 0 and g.recurrent_bytes == 0

@@ -76,14 +76,16 @@ def kv_geometry(model: Any, draft: Drafter | None = None, block: int = 1) -> KVG
     """Read the cache sizes off an mlx-lm target (and what its drafter's context keeps); None
     when its layers are not the kind this knows (attention with ``k_proj``/``v_proj``, Gated
     DeltaNet)."""
-    from mlx_lm.models.cache import ArraysCache, KVCache
+    from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
     try:
         parts = find_target_parts(model)
         act = float_bytes(parts.embed_tokens)
         elements = recurrent = 0
         kv_dtype = act
-        for layer, cache in zip(parts.layers, model.make_cache(), strict=True):
+        # mlx-lm's own choice of caches: a model without ``make_cache`` (qwen3, llama) gets
+        # one KVCache per layer; calling the method directly sized no budget for those.
+        for layer, cache in zip(parts.layers, make_prompt_cache(model), strict=True):
             if type(cache) is KVCache:
                 attn = layer.self_attn
                 elements += attn.k_proj.weight.shape[0] + attn.v_proj.weight.shape[0]
