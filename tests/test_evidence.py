@@ -186,6 +186,6 @@ def test_a_batch_judges_its_drafted_passes_by_what_they_delivered(
 
     drafted, passes = run(accept=0, n=48)
     assert costs.bias is not None and costs.bias < -1.0
-    assert drafted <= 3 and passes >= 47  # the first drafted pass, and a probe or two
+    assert drafted <= 5 and passes >= 47  # the first drafted pass, and a few probes
     drafted, passes = run(accept=width - 1, n=160)  # every draft right now: a probe pays
     assert drafted >= 10 and passes < 120, (drafted, passes)

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 _OFF = 1.5  # a cycle this many times cheaper than estimated says the costs are off
 _UNTIMED = 1.1  # a narrower width no real cycle has timed looks this much better
-_RECHECK, _MAX_RECHECK = 8, 64  # plain steps between two looks at speculation (narrowed: more)
 
 
 class BlockController:
@@ -76,7 +75,6 @@ class BlockController:
         self.probe_budget = probe_budget
         self.gap = self._first_gap()  # the pair's plain steps before the next probe
         self.plain_run = 0  # plain steps decided since the last speculative cycle
-        self.recheck = _RECHECK  # plain steps between two looks at speculation
         self.probing = False  # the speculative cycle in flight is a probe
         self.speculating = False  # the last cycle decided was speculation that pays (no probe)
         self.widen_probe = 0  # width of a follow-up probe (after a fully accepted one)
@@ -192,7 +190,7 @@ class BlockController:
         # one: a drafter switched off is tried again however short the requests are.
         prior = self.prior
         due = prior.plain_steps >= self.gap
-        if self.plain_run and self.plain_run % self.recheck and not due:
+        if self.plain_run and self.plain_run % 8 and not due:
             self.plain_run += 1
             prior.plain_steps += 1
             return 1
@@ -214,13 +212,11 @@ class BlockController:
 
     def narrowed(self, size: int) -> None:
         """A batch's budget runs the last choice at ``size`` positions: at 1, the controller
-        decodes plainly as if it had decided so, looking at speculation again after a run of
-        plain steps that doubles while the budget keeps narrowing (each look weighs every
-        width, on every row of every pass)."""
+        decodes plainly as if it had decided so, looking at speculation again every 8th step
+        (each look weighs every width, on every row of every pass)."""
         if size <= 1:
             self.speculating = self.probing = False
             self.plain_run = max(self.plain_run, 1)
-            self.recheck = min(2 * self.recheck, _MAX_RECHECK)
 
     def observe(
         self,
@@ -244,7 +240,6 @@ class BlockController:
             return
         if size <= 1:
             return  # a plain step says nothing about acceptance
-        self.recheck = _RECHECK  # a drafted cycle ran: the budget let it through
         # A probe's result outweighs the evidence that made speculation stop.
         decay = self.probe_decay if self.probing else None
         self.acceptance.observe(size - 1, accepted, decay)

@@ -96,8 +96,10 @@ class PassCosts:
             return 0.0
         if predicted is not None and committed > 0:  # tokens/s over a plain pass's rows/s, here
             realized = math.log(committed * self.cost(rows, 1, contexts) / (rows * seconds))
-            last = realized - predicted if self.bias is None else self.bias
-            self.bias = (1 - _BIAS_ALPHA) * last + _BIAS_ALPHA * (realized - predicted)
+            # Clipped: one slow pass (a busy moment) must not send the rows to plain for good.
+            last = 0.0 if self.bias is None else self.bias
+            step = max(-_PASS_CLIP, min(_PASS_CLIP, realized - predicted - last))
+            self.bias = last + (step if self.bias is None else _BIAS_ALPHA * step)
             self.paid = realized >= _MARGIN
         residuals, x = self._residuals(rows, width)
         error = math.log(seconds / self.base(rows, width, contexts))

@@ -4,9 +4,10 @@ MLX, Pillow and the tokenizers free their buffers with ``free``, but glibc keeps
 memory in its heaps for reuse, one heap (arena) per thread that allocates, up to eight per core:
 a server's resident size then creeps up by tens of MB an hour that no cache explains (the soak
 measured 34-52 MB; ``malloc_trim(0)`` in the running server gave 47 MB back at once). So the
-worker calls ``trim`` after its rounds: every ``TRIM_EVERY_S`` while busy, and when it falls
-idle (at most every ``IDLE_TRIM_S``); ``malloc_trim(0)`` returns the free pages of every arena
-(a few milliseconds). Elsewhere (macOS, musl) it does nothing.
+worker calls ``trim`` when it falls idle, at most every ``IDLE_TRIM_S``: ``malloc_trim(0)``
+returns the free pages of every arena (a few milliseconds). Not while busy: the live buffers
+between the freed ones keep most pages then, and trimming under load made RSS a sawtooth.
+Elsewhere (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import sys
 import time
 from typing import Any
 
-TRIM_EVERY_S = 30.0
-IDLE_TRIM_S = 2.0
+IDLE_TRIM_S = 30.0
 
 
 def _glibc() -> Any | None:
@@ -31,11 +31,10 @@ def _glibc() -> Any | None:
 
 
 class Trimmer:
-    """``malloc_trim(0)`` at most once per ``every_s`` seconds, or per ``idle_s`` when the
-    caller has nothing left to do (``maybe``)."""
+    """``malloc_trim(0)`` when the caller falls idle, at most once per ``idle_s`` seconds."""
 
-    def __init__(self, every_s: float = TRIM_EVERY_S, idle_s: float = IDLE_TRIM_S) -> None:
-        self.every_s, self.idle_s = every_s, idle_s
+    def __init__(self, idle_s: float = IDLE_TRIM_S) -> None:
+        self.idle_s = idle_s
         self._libc = _glibc()
         self._last = time.monotonic()
         self.trims = 0
@@ -44,10 +43,9 @@ class Trimmer:
     def available(self) -> bool:
         return self._libc is not None
 
-    def maybe(self, idle: bool = False) -> bool:
-        """Trim if long enough passed since the last time; whether it did."""
-        since = time.monotonic() - self._last
-        if self._libc is None or since < (self.idle_s if idle else self.every_s):
+    def maybe(self, idle: bool) -> bool:
+        """Trim if idle and ``idle_s`` passed since the last time; whether it did."""
+        if self._libc is None or not idle or time.monotonic() - self._last < self.idle_s:
             return False
         self._libc.malloc_trim(0)
         self._last = time.monotonic()
@@ -58,6 +56,6 @@ class Trimmer:
 _PROCESS = Trimmer()  # malloc_trim works on the whole process: one schedule for every worker
 
 
-def trim(idle: bool = False) -> bool:
+def trim(idle: bool) -> bool:
     """After a worker's round (``idle``: it has nothing left to do): the process's trim."""
     return _PROCESS.maybe(idle)

@@ -50,8 +50,8 @@ from dflash_server.models.mrope import Positions
 
 Outcome = Commit | Exception  # what a step hands a row: its commit, or the error that ended it
 _PROBE_GAP, _MAX_PROBE_GAP = 4, 256  # narrowed passes before the budget lets one through
+_HOLD = 8  # a probe gap from which narrowed rows decode plainly a while (they re-check less)
 _OFF = math.log(1.5)  # a pass this much cheaper than estimated says the costs are off
-_PROBE_BUDGET = 0.02  # a probe's predicted loss, as a share of the plain passes before it
 
 
 class BatchDecoder:
@@ -81,6 +81,7 @@ class BatchDecoder:
         self.passes = 0
         self.last_pass: tuple[int, int] = (0, 0)  # (rows, verified positions) of the last pass
         self._capped, self._probe_gap = 0, _PROBE_GAP  # passes the budget narrowed; next probe
+        self._holding = False  # it narrowed rows to plain, which follow it (controller.py)
         self.histogram: dict[int, int] = {}  # rows in a pass -> passes
         self.prefilled_together = 0  # prompts prefilled in a shared forward
 
@@ -241,8 +242,11 @@ class BatchDecoder:
             budget = choose_widths(rows, choices, self.costs)
             if budget == widths:  # nothing narrowed: probing starts over once drafts ran
                 if max(widths) > 1:
-                    self._capped, self._probe_gap = 0, _PROBE_GAP
+                    self._capped, self._probe_gap, self._holding = 0, _PROBE_GAP, False
+                elif self._holding:  # narrowed rows decode plainly a while: the gap runs on
+                    self._capped += 1
             else:
+                self._holding = True
                 widths = self._probe(rows, choices) or budget
         if self.max_verify is not None:
             free = [not row.pinned for row in rows]
@@ -251,37 +255,27 @@ class BatchDecoder:
                 if top <= 1:
                     break
                 widths = [w - 1 if w == top and f else w for w, f in zip(widths, free)]
-        for row, c, w in zip(rows, choices, widths):
-            if w < c.size:
-                row.policy.narrowed(w)
+        if self._probe_gap >= _HOLD:  # narrowing persists: the rows follow it a while
+            for row, c, w in zip(rows, choices, widths):
+                if w < c.size:
+                    row.policy.narrowed(w)
         return [c.narrow(w) for c, w in zip(choices, widths)]
 
     def _probe(self, rows: list[Row], choices: list[Choice]) -> list[int] | None:
         """The widths of a probe, when one is due: a pass the budget would narrow, let through
         to measure it (its costs may come from a busy moment) at the curves' own cap (their
-        judgement aside), or at the rows' own widths where the curves say plain. Due at once
-        while no real speculative pass has checked the calibration; else after a gap of
-        narrowed passes that doubles (up to ``_MAX_PROBE_GAP``) while the budget keeps
-        narrowing, and at least long enough that the probe's predicted loss is
-        ``_PROBE_BUDGET`` of the plain passes around it."""
+        judgement of what drafting delivered aside), or at the rows' own widths where the
+        curves say plain. Due at once while no real speculative pass has checked the
+        calibration; else after a gap of narrowed passes that doubles, up to
+        ``_MAX_PROBE_GAP``, while the budget keeps narrowing."""
         assert self.costs is not None
-        checked = self.costs.checked
-        self._capped += 1
-        if checked and self._capped < self._probe_gap:
-            return None
-        curves = choose_widths(rows, choices, self.costs, judged=False)
-        widths = curves if max(curves) > 1 else [c.size for c in choices]
-        if checked:
-            probe = [c.narrow(w) for c, w in zip(choices, widths)]
-            gain = predicted_gain(rows, probe, self.costs) + (self.costs.bias or 0.0)
-            contexts = [row.position for row in rows]
-            passes = self.costs.cost(len(rows), max(widths), contexts) / self.costs.cost(
-                len(rows), 1, contexts
-            )
-            if self._capped < passes * (1 - math.exp(min(0.0, gain))) / _PROBE_BUDGET:
+        if self.costs.checked:
+            self._capped += 1
+            if self._capped < self._probe_gap:
                 return None
-        self._capped, self._probe_gap = 0, min(2 * self._probe_gap, _MAX_PROBE_GAP)
-        return widths
+            self._capped, self._probe_gap = 0, min(2 * self._probe_gap, _MAX_PROBE_GAP)
+        curves = choose_widths(rows, choices, self.costs, judged=False)
+        return curves if max(curves) > 1 else [c.size for c in choices]
 
     def _verify(self, rows: list[Row], plan: dict[Row, Choice] | None) -> dict[Row, Commit]:
         """One pass: draft, verify every row in one forward, score and commit each row, then

@@ -315,19 +315,22 @@ def _calibrate_copies(
 def _cycle_times(
     decoder: SpeculativeDecoder, prompt: list[int], width: int, extra: int = 0
 ) -> list[float]:
-    """Seconds of real cycles of ``width`` after the prompt's prefill, with other models'
-    passes between the prefill's chunks and after its token. The first cycle after that pause
-    is not timed (the decoder queues each cycle before handing out the last one, so it ran
-    during the pause); then one speculative cycle, or six plain steps, back to back: the
+    """Seconds of real cycles of ``width`` after the prompt's prefill, other models' passes
+    between the prefill's chunks: the first speculative cycle, queued as the prefill's token
+    is handed out, timed from there (a pause then would run beside it); or six plain steps
+    after a pause and one untimed step (plain steps are queued ahead of the one read). The
     longest stretch a load holds other models' streams (docs/design.md, "Several models")."""
     timed = 6 if width == 1 else 1
     steps = decoder.generate(prompt, (timed + 2) * width + extra, yield_chunks=True)
     pause()
     for commit in steps:  # the prefill's chunks, then its token
-        pause()
         if commit is not PREFILL_CHUNK:
             break
-    stamps = [time.perf_counter() for _, _ in zip(range(timed + 1), steps)]
+        pause()
+    if width == 1:
+        pause()
+        next(steps)
+    stamps = [time.perf_counter()] + [time.perf_counter() for _ in zip(range(timed), steps)]
     steps.close()
     return [b - a for a, b in itertools.pairwise(stamps)]
 
