@@ -40,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 
-from bench_mtp import Runner, copy_workload, groups
+from bench_mtp import Runner, copy_workload, groups, run_stages
 from common import write_json
 from dflash_server.drafters.registry import load_drafter
 from dflash_server.generation.request import BlockPolicy
@@ -87,13 +87,7 @@ def prepare(args: argparse.Namespace) -> dict:
         stages[family] = lambda f=family: result.update(
             {f: train_family(args, f, target_dir, data_dir, args.work / f)}
         )
-    for name, run in stages.items():
-        if name not in result:
-            start = time.perf_counter()
-            run()
-            result.setdefault(name, {})["wall_s"] = round(time.perf_counter() - start, 1)
-            saved.write_text(json.dumps(result, indent=1))
-    return result
+    return run_stages(stages, result, saved)
 
 
 # -- measuring ----------------------------------------------------------------------------------

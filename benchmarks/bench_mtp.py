@@ -84,6 +84,12 @@ def prepare(args: argparse.Namespace) -> dict:
         ),
         "mtp": lambda: result.update(mtp=train_mtp(args, target_dir, data_dir, args.work / "mtp")),
     }
+    return run_stages(stages, result, saved)
+
+
+def run_stages(stages: dict[str, Any], result: dict, saved: Path) -> dict:
+    """Run each stage not already in ``result``, timing it, and record ``result`` in
+    ``saved`` as each ends (``--reuse`` then keeps what is there)."""
     for name, run in stages.items():
         if name not in result:
             start = time.perf_counter()

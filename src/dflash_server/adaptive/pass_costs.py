@@ -189,15 +189,14 @@ def choose_widths(
         return [min(w, cap) if a else w for w, a in zip(wanted, adaptive)]
 
     values = {cap: pass_value(rows, choices, widths(cap), costs) for cap in sorted({1, *wanted})}
-    best = widths(max(values, key=values.__getitem__))
+    cap = max(values, key=values.__getitem__)
+    best = widths(cap)
     if judged and costs.bias is not None:  # the drafter's rows, judged by what they delivered
         undrafted = [
             1 if a and c.source == DRAFTER else w for w, a, c in zip(best, adaptive, choices)
         ]
         if undrafted != best:
-            gain = pass_value(rows, choices, best, costs) / pass_value(
-                rows, choices, undrafted, costs
-            )
+            gain = values[cap] / pass_value(rows, choices, undrafted, costs)
             if math.log(gain) + costs.bias < _MARGIN:
                 return undrafted
     return best
