@@ -17,6 +17,7 @@ from dflash_server.api.app import create_app
 from dflash_server.api.metrics import Metrics
 from dflash_server.api.read_timeout import http_protocol
 from dflash_server.api.shutdown import GracefulServer
+from dflash_server.engine import allocator
 from dflash_server.engine.blas import blas_hint
 from dflash_server.engine.models import ModelSet
 from dflash_server.engine.worker import Engine
@@ -81,6 +82,7 @@ def serve(
 
     if (hint := blas_hint()) is not None:
         log.warning("%s", hint)
+    allocator.configure()  # before the worker's and uvicorn's threads
     metrics = Metrics() if settings.metrics else None
     engine: Engine | ModelSet
     if entries is not None:
