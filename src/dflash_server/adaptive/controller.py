@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 _OFF = 1.5  # a cycle this many times cheaper than estimated says the costs are off
 _UNTIMED = 1.1  # a narrower width no real cycle has timed looks this much better
+_RECHECK = 8  # while decoding plainly, plain steps between two looks at speculation
 
 
 class BlockController:
@@ -190,7 +191,7 @@ class BlockController:
         # one: a drafter switched off is tried again however short the requests are.
         prior = self.prior
         due = prior.plain_steps >= self.gap
-        if self.plain_run and self.plain_run % 8 and not due:
+        if self.plain_run and self.plain_run % _RECHECK and not due:
             self.plain_run += 1
             prior.plain_steps += 1
             return 1
@@ -212,7 +213,7 @@ class BlockController:
 
     def narrowed(self, size: int) -> None:
         """A batch's budget runs the last choice at ``size`` positions: at 1, the controller
-        decodes plainly as if it had decided so, looking at speculation again every 8th step
+        decodes plainly as if it had decided so, looking at speculation again every ``_RECHECK``th step
         (each look weighs every width, on every row of every pass)."""
         if size <= 1:
             self.speculating = self.probing = False
