@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from typing import Any
 
 import mlx.core as mx
@@ -422,3 +423,40 @@ def test_a_choice_the_batch_narrows_to_plain_is_followed_for_a_while() -> None:
     c.prior.plain_steps, c.gap = 0, 10**6  # (no probe due meanwhile)
     sizes = [c.next_size(100) for _ in range(8)]
     assert sizes[:7] == [1] * 7 and sizes[7] > 1
+
+
+def test_the_swept_cost_curve_equals_each_width_priced_alone():
+    """``CostModel.curve`` (what the controller weighs every few steps) prices every width
+    exactly as ``cycle`` does one at a time: drafted and verify-only, refined residuals, past
+    the measured context, and after the measured curves are swapped."""
+    rng = random.Random(0)
+    for _ in range(300):
+        widths = sorted(rng.sample(range(2, 34), rng.randint(1, 6)))
+        model = CostModel(
+            plain=rng.uniform(1e-3, 1e-2),
+            verify={w: rng.uniform(1e-3, 5e-2) for w in widths},
+            draft={
+                w: rng.uniform(1e-4, 5e-3) for w in rng.sample(widths, rng.randint(1, len(widths)))
+            },
+            slope={
+                w: rng.uniform(0, 1e-6)
+                for w in rng.sample([1, *widths], rng.randint(0, len(widths)))
+            },
+            draft_slope=rng.choice([0.0, 1e-7]),
+            draft_reach=rng.choice([None, 100]),
+        )
+        for _ in range(2):  # the second round: a swapped-in curve must be swept again
+            model.residual = {w: rng.uniform(-1, 1) for w in rng.sample(range(1, 17), 3)}
+            model.verify_residual = {w: rng.uniform(-1, 1) for w in rng.sample(range(2, 33), 2)}
+            model.log_scale = rng.uniform(-0.5, 0.5)
+            context, limit = rng.choice([0, 64, 65, 5000]), rng.randint(1, 33)
+            for drafted in (True, False):
+                alone = [model.cycle(s, drafted, context) for s in range(1, limit + 1)]
+                assert model.curve(limit, context, drafted) == alone
+            model.slope = {w: rng.uniform(0, 1e-6) for w in (1, 16)}
+
+    controller = BlockController(16, costs())
+    for size, accepted in ((16, 9), (8, 7), (4, 1)):
+        controller.acceptance.observe(size - 1, accepted)
+    rates = controller.acceptance.rates()
+    assert controller._values(16) == [controller._value(rates, s) for s in range(1, 17)]

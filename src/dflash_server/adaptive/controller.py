@@ -100,12 +100,23 @@ class BlockController:
     def _value(self, rates: list[float], size: int) -> float:
         return AcceptanceModel.expected(rates, size) / self.costs.cycle(size, context=self.context)
 
+    def _values(self, limit: int) -> list[float]:
+        """``_value`` of every width 1..``limit`` (index ``width - 1``), in one sweep."""
+        rates, values = self.acceptance.rates(), []
+        total, survive = 1.0, 1.0  # E[width], accumulated as ``AcceptanceModel.expected`` does
+        for size, cost in enumerate(self.costs.curve(limit, self.context), 1):
+            if 1 < size <= len(rates) + 1:
+                survive *= rates[size - 2]
+                total += survive
+            values.append(total / cost)
+        return values
+
     def _best(self, limit: int, minimum: int = 1) -> int:
         """The width of most expected tokens per second. Switching between plain decoding and
         speculation needs a ``margin`` (hysteresis: an estimate's error must not flip it)."""
-        rates = self.acceptance.rates()
         sizes = range(max(2, minimum), max(2, min(self.max_block, limit)) + 1)
-        value = {s: self._value(rates, s) for s in sizes}
+        values = self._values(sizes[-1])
+        value = {s: values[s - 1] for s in sizes}
         best = max(sizes, key=value.__getitem__)
         # A narrower width no real cycle has timed is tried on a small edge: a busy moment at
         # load can price it like its wider neighbours (docs/design.md, "Adaptive speculation").
@@ -116,7 +127,7 @@ class BlockController:
                 best = narrow
         if minimum > 1:
             return best
-        spec, plain = value[best], self._value(rates, 1)
+        spec, plain = value[best], values[0]
         if self.plain_run:  # decoding plainly: speculation must clearly pay to start again
             return best if spec > (1 + self.margin) * plain else 1
         return 1 if plain > (1 + self.margin) * spec else best
@@ -124,11 +135,12 @@ class BlockController:
     def _suffix_best(self, proposal: Proposal, limit: int) -> tuple[int, float]:
         """(drafts, expected tokens per second) of the best prefix of a suffix proposal."""
         rates = self.trust.rates(proposal.confidence[:limit])
+        costs = self.costs.curve(len(rates) + 1, self.context, drafted=False)
         best, value, total, survive = 0, 0.0, 1.0, 1.0
         for n, a in enumerate(rates, 1):
             survive *= a
             total += survive
-            v = total / self.costs.cycle(n + 1, drafted=False, context=self.context)
+            v = total / costs[n]
             if v > value:
                 best, value = n, v
         return best, value

@@ -42,7 +42,20 @@ def interp(points: dict[int, float], x: int) -> float:
     from the nearest two outside them."""
     if x in points:  # a measured point (most calls: it runs several times per pass)
         return points[x]
+    return _between(sorted(points), points, x)
+
+
+def sweep(points: dict[int, float], limit: int) -> list[float]:
+    """``interp(points, x)`` at x = 1..``limit`` (index ``x - 1``; 0 where there are no
+    points), sorting the keys once."""
+    if not points:
+        return [0.0] * limit
     xs = sorted(points)
+    return [points[x] if x in points else _between(xs, points, x) for x in range(1, limit + 1)]
+
+
+def _between(xs: list[int], points: dict[int, float], x: int) -> float:
+    """``interp`` at an ``x`` not in ``points``, whose keys ``xs`` are sorted already."""
     if len(xs) == 1:
         return points[xs[0]]
     i = bisect.bisect_left(xs, x)  # the segment [xs[i-1], xs[i]], the end ones outside
@@ -87,6 +100,7 @@ class CostModel:
     shared: CostModel | None = field(default=None, repr=False)  # the pair's, refined too
     checked: int = 0  # real drafted cycles observed (0: the curve is the calibration alone)
     timed: dict[int, int] = field(default_factory=dict)  # drafted width -> real cycles timed
+    _sweeps: tuple[Any, Any] = field(default=(None, None), init=False, repr=False, compare=False)
 
     def base(self, size: int, drafted: bool = True, context: int = 0) -> float:
         """The component estimate of one cycle of ``size`` positions (draft + verify; without
@@ -101,6 +115,34 @@ class CostModel:
             draft = interp(self.draft, size)
             draft += self.draft_slope * context_past(context, self.context, self.draft_reach)
         return max(draft + interp(self.verify, size) + grow, 1e-6)
+
+    def curve(self, limit: int, context: int = 0, drafted: bool = True) -> list[float]:
+        """``cycle(size, drafted, context)`` of every width 1..``limit`` (index ``size - 1``)
+        in one sweep: the controller weighs them all, on every row, every few steps."""
+        past = context - self.context if self.slope and context > self.context else 0
+        slopes, drafts, verifies = self._measured(limit)
+        plain = self.residual.get(1, 0.0)
+        if drafted:
+            kind = sweep({w: r for w, r in self.residual.items() if w > 1}, limit)
+        else:  # verify-only cycles: their own residuals, or a plain step's (``_residual``)
+            kind = sweep(self.verify_residual, limit) if self.verify_residual else [plain] * limit
+        bases = [self.plain + slopes[0] * past]
+        drafter = self.draft_slope * context_past(context, self.context, self.draft_reach)
+        for slope, draft, verify in zip(slopes[1:], drafts[1:], verifies[1:]):
+            drafting = draft + drafter if drafted else 0.0
+            bases.append(max(drafting + verify + slope * past, 1e-6))
+        residuals = [plain, *kind[1:]]
+        return [base * math.exp(self.log_scale + r) for base, r in zip(bases, residuals)]
+
+    def _measured(self, limit: int) -> tuple[list[float], ...]:
+        """The measured curves (slope, draft, verify) swept to ``limit``. They never change once
+        measured, so the sweep is kept (keyed by the dicts themselves: one swapped in re-sweeps)."""
+        curves = (self.slope, self.draft, self.verify)
+        key, swept = self._sweeps
+        if key is None or key[0] != limit or any(a is not b for a, b in zip(key[1:], curves)):
+            swept = tuple(sweep(points, limit) for points in curves)
+            self._sweeps = ((limit, *curves), swept)
+        return swept
 
     def _residual(self, size: int, drafted: bool = True) -> float:
         size = max(1, size)

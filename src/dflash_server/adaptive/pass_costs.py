@@ -182,7 +182,7 @@ def choose_widths(
     copies, verified without a drafter pass, keep the cap)."""
     wanted = [c.size for c in choices]
     adaptive = [row.policy.adaptive for row in rows]
-    if not any(adaptive):
+    if not any(adaptive) or max(wanted) <= 1:  # nothing to cap (most passes of a busy batch)
         return wanted
 
     def widths(cap: int) -> list[int]:
