@@ -425,6 +425,30 @@ def test_a_choice_the_batch_narrows_to_plain_is_followed_for_a_while() -> None:
     assert sizes[:7] == [1] * 7 and sizes[7] > 1
 
 
+def test_a_held_row_looks_every_8th_step_even_with_a_probe_due() -> None:
+    """A row the batch holds to plain wants to speculate at each look, so no probe is ever
+    started to reset the pair's count: it still looks only every 8th step. A probe the batch
+    narrows backs off as one that did not pay."""
+    c = BlockController(16, costs())
+    for _ in range(5):
+        c.observe(16, 15, None)  # full blocks: speculation pays for this row alone
+    looks = []
+    weigh = c._best
+    c._best = lambda limit: looks.append(limit) or weigh(limit)  # type: ignore[method-assign]
+    assert c.next_size(100) > 1
+    c.narrowed(1)
+    c.prior.plain_steps = 10**6  # a probe long due
+    for _ in range(16):
+        if c.next_size(100) > 1:
+            c.narrowed(1)
+    assert len(looks) == 3  # the first choice, then steps 8 and 16
+
+    gap = c.gap
+    c.probing = True  # a probe, which the batch runs as a plain step
+    c.narrowed(1)
+    assert c.gap == min(2 * gap, c.max_gap) and not c.probing
+
+
 def test_the_swept_cost_curve_equals_each_width_priced_alone():
     """``CostModel.curve`` (what the controller weighs every few steps) prices every width
     exactly as ``cycle`` does one at a time: drafted and verify-only, refined residuals, past

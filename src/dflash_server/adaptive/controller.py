@@ -111,10 +111,11 @@ class BlockController:
             values.append(total / cost)
         return values
 
-    def _best(self, limit: int, minimum: int = 1) -> int:
-        """The width of most expected tokens per second. Switching between plain decoding and
+    def _best(self, limit: int) -> tuple[int, int]:
+        """(the width of most expected tokens per second, 1 where plain decoding wins; the best
+        speculative width all the same, for a probe). Switching between plain decoding and
         speculation needs a ``margin`` (hysteresis: an estimate's error must not flip it)."""
-        sizes = range(max(2, minimum), max(2, min(self.max_block, limit)) + 1)
+        sizes = range(2, max(2, min(self.max_block, limit)) + 1)
         values = self._values(sizes[-1])
         value = {s: values[s - 1] for s in sizes}
         best = max(sizes, key=value.__getitem__)
@@ -125,12 +126,10 @@ class BlockController:
             narrow = max(untimed, key=value.__getitem__)
             if _UNTIMED * value[narrow] > value[best]:
                 best = narrow
-        if minimum > 1:
-            return best
         spec, plain = value[best], values[0]
         if self.plain_run:  # decoding plainly: speculation must clearly pay to start again
-            return best if spec > (1 + self.margin) * plain else 1
-        return 1 if plain > (1 + self.margin) * spec else best
+            return (best if spec > (1 + self.margin) * plain else 1), best
+        return (1 if plain > (1 + self.margin) * spec else best), best
 
     def _suffix_best(self, proposal: Proposal, limit: int) -> tuple[int, float]:
         """(drafts, expected tokens per second) of the best prefix of a suffix proposal."""
@@ -150,7 +149,7 @@ class BlockController:
         beat; cached until the next observation (it is asked every step)."""
         key = min(room, self.max_block)
         if key not in self._rivals:
-            width = self._best(room) if self.max_block > 1 else 1
+            width = self._best(room)[0] if self.max_block > 1 else 1
             self._rivals[key] = self._value(self.acceptance.rates(), width)
         return self._rivals[key]
 
@@ -198,18 +197,20 @@ class BlockController:
             self.probes += 1
             return size
         # While decoding plainly no acceptance evidence arrives: reuse the last choice, and
-        # re-check only every few steps (the cost corrections still move).
+        # re-check only every few steps (the cost corrections still move; a row a batch holds
+        # to plain wants to speculate at each look, so it must not look every step).
         # Probes are due once the pair's requests decided ``gap`` plain steps since the last
-        # one: a drafter switched off is tried again however short the requests are.
+        # one: a drafter switched off is tried again however short the requests are (each
+        # request looks at its first step).
         prior = self.prior
-        due = prior.plain_steps >= self.gap
-        if self.plain_run and self.plain_run % _RECHECK and not due:
+        if self.plain_run and self.plain_run % _RECHECK:
             self.plain_run += 1
             prior.plain_steps += 1
             return 1
-        size = self._best(room)
+        due = prior.plain_steps >= self.gap
+        size, speculative = self._best(room)
         if size == 1 and due:  # probe: is speculation paying again?
-            size = max(self._best(room, 2), min(self.probe_block, room, self.max_block))
+            size = max(speculative, min(self.probe_block, room, self.max_block))
             self.probing = True
             self.probes += 1
             prior.plain_steps = 0
@@ -228,6 +229,8 @@ class BlockController:
         decodes plainly as if it had decided so, looking at speculation again every ``_RECHECK``th step
         (each look weighs every width, on every row of every pass)."""
         if size <= 1:
+            if self.probing:  # the batch judged this probe not worth a pass: back off as if
+                self.gap = min(2 * self.gap, self.max_gap)  # it had run and not paid
             self.speculating = self.probing = False
             self.plain_run = max(self.plain_run, 1)
 
@@ -246,7 +249,8 @@ class BlockController:
         cheaper = False
         if seconds is not None:
             drafted = source != SUFFIX
-            cheaper = seconds * _OFF < self.costs.cycle(size, drafted, self.context)
+            if size > 1:  # (only a probe asks)
+                cheaper = seconds * _OFF < self.costs.cycle(size, drafted, self.context)
             self.costs.observe(size, seconds, drafted=drafted, context=self.context)
         if source == SUFFIX:
             self.trust.observe(confidence, accepted)
@@ -259,7 +263,7 @@ class BlockController:
         self.prior.update(self.acceptance)
         if self.probing:
             self.probing = False
-            paid = self._best(self.max_block) > 1
+            paid = self._best(self.max_block)[0] > 1
             if not paid and accepted == size - 1 and size < self.max_block:
                 self.widen_probe = min(2 * size, self.max_block)  # a small block cannot tell
             elif paid or cheaper:
@@ -277,7 +281,7 @@ class BlockController:
     def estimate(self) -> dict[str, Any]:
         """The controller's current view, for stats and logs."""
         rates = self.acceptance.rates()
-        best = self._best(self.max_block) if self.max_block > 1 else 1
+        best = self._best(self.max_block)[0] if self.max_block > 1 else 1
         return {
             "block_size": best,
             "expected_tau": round(AcceptanceModel.expected(rates, best), 3),

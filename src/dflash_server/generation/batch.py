@@ -51,6 +51,7 @@ from dflash_server.models.mrope import Positions
 Outcome = Commit | Exception  # what a step hands a row: its commit, or the error that ended it
 _PROBE_GAP, _MAX_PROBE_GAP = 4, 256  # narrowed passes before the budget lets one through
 _HOLD = 8  # a probe gap from which narrowed rows decode plainly a while (they re-check less)
+_TIME_PLAIN = 8  # a plain pass of several rows times them every this many passes
 _OFF = math.log(1.5)  # a pass this much cheaper than estimated says the costs are off
 
 
@@ -289,8 +290,14 @@ class BatchDecoder:
             # A drafter may cut a block short (DSpark's confidence head): verify what it drafted.
             choices = [c.narrow(_size(d)) for c, (d, _) in zip(choices, drafts)]
             width = max(c.size for c in choices)
-            predicted = None  # the budget's prediction for a pass with drafter rows
-            if self.costs is not None and any(c.source == DRAFTER for c in choices):
+            # The budget's prediction for a pass of several rows with drafter rows (a lone row
+            # is never budgeted: its passes must not judge the batch's, ``PassCosts.bias``).
+            predicted = None
+            if (
+                self.costs is not None
+                and len(rows) > 1
+                and any(c.source == DRAFTER for c in choices)
+            ):
                 predicted = predicted_gain(rows, choices, self.costs)
             inputs = []
             for row, (proposal, _) in zip(rows, drafts):
@@ -316,9 +323,13 @@ class BatchDecoder:
         # Each row learns what its own cycle would have cost alone (the rows' cost models are
         # lone ones): never a wider row's width (docs/design.md, "Batching under speculation").
         seconds = time.perf_counter() - start
-        shares = self._lone_shares(rows, choices, width)
+        # Rows of a plain pass learn its pace every _TIME_PLAIN-th pass: their controllers look
+        # at speculation as seldom, and timing every row of every pass cost a busy batch 1-2 %.
+        timed = width > 1 or len(rows) == 1 or self.passes % _TIME_PLAIN == 0
+        shares = self._lone_shares(rows, choices, width) if timed else [0.0] * len(rows)
         commits = {
-            row: row.read(cycle, seconds * share) for row, cycle, share in zip(rows, cycles, shares)
+            row: row.read(cycle, seconds * share if timed else None, timed)
+            for row, cycle, share in zip(rows, cycles, shares)
         }
         for row in rows:
             row.stats.batch_histogram[len(rows)] = row.stats.batch_histogram.get(len(rows), 0) + 1
@@ -352,7 +363,7 @@ class BatchDecoder:
             return [1.0] * len(rows)
         contexts = [row.position for row in rows]
         whole = self.costs.cost(len(rows), width, contexts)
-        return [self.costs.cost(1, c.size, [n]) / whole for c, n in zip(choices, contexts)]
+        return [t / whole for t in self.costs.alone([c.size for c in choices], contexts)]
 
 
 def _drafts(
