@@ -156,7 +156,9 @@ class CalibrationCache:
         """Store a measured ``value`` for the next start (nothing when off)."""
         if self.folder is not None:
             key, path = self._key(kind, params)
-            data = {k: v for k, v in asdict(value).items() if v is not None}  # links are not data
+            # Links (None here) and a cache it keeps for itself (not an init field) are not data.
+            given = {f.name for f in fields(value) if f.init}
+            data = {k: v for k, v in asdict(value).items() if v is not None and k in given}
             self._write(path, {"key": key, "value": data})
 
     def _key(self, kind: str, params: dict[str, Any]) -> tuple[dict[str, Any], Path]:
