@@ -5,6 +5,7 @@ short its requests are."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -185,7 +186,23 @@ def test_a_batch_judges_its_drafted_passes_by_what_they_delivered(
         return drafted, batch.passes
 
     drafted, passes = run(accept=0, n=48)
-    assert costs.bias is not None and costs.bias < -1.0
+    bias = costs.bias(4)
+    assert bias is not None and bias < -1.0
     assert drafted <= 5 and passes >= 47  # the first drafted pass, and a few probes
     drafted, passes = run(accept=width - 1, n=160)  # every draft right now: a probe pays
     assert drafted >= 10 and passes < 120, (drafted, passes)
+
+
+def test_each_row_count_keeps_its_own_record_of_drafted_passes() -> None:
+    """A batch's drafted passes are judged per row count (a pass of 8 rows errs otherwise than
+    one of 4); a row count with no record yet starts from the nearest one's."""
+    costs = PassCosts({1: 1.0, 4: 2.0, 8: 3.0}, {8: 2.0, 16: 3.0, 64: 10.0})
+    assert costs.bias(4) is None
+    # 4 tokens in 4 s where plain gives 4 rows' tokens in 2 s: half the predicted speedup (1x).
+    costs.observe(4, 2, 4.0, committed=4, predicted=0.0)
+    assert costs.bias(4) == pytest.approx(math.log(0.5))
+    assert costs.bias(8) == costs.bias(6) == costs.bias(4)  # the nearest record meanwhile
+    # 8 rows deliver exactly what was predicted: their record moves on from 4's, 4's stays.
+    costs.observe(8, 2, 3.0, committed=8, predicted=0.0)  # a plain pass's 8 tokens in its 3 s
+    assert costs.bias(4) == pytest.approx(math.log(0.5))
+    assert costs.bias(8) == pytest.approx(0.7 * math.log(0.5))

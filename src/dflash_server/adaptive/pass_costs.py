@@ -14,8 +14,9 @@ costs do), so a calibration taken at a busy moment is corrected by real traffic.
 The budget's predictions can still be wrong (where a pass's host work per row is as large as
 its compute; where the rows' acceptance estimates are optimistic), so each pass with drafter rows
 is also judged by what it delivered: ``bias``, the decayed log ratio of its realized speedup over
-plain to the speedup the budget predicted for it. The drafter's rows must add the margin with the
-bias included (suffix copies, which need no drafter pass, are not judged by the drafter's
+plain to the speedup the budget predicted for it, kept per row count (a pass of 8 rows errs
+otherwise than one of 4; a lone row is never budgeted). The drafter's rows must add the margin
+with the bias included (suffix copies, which need no drafter pass, are not judged by the drafter's
 record); a new mix of rows whose drafts promise far more still drafts at once
 (docs/design.md, "Batching under speculation").
 """
@@ -56,7 +57,8 @@ class PassCosts:
     plain_drift: float = 0.0  # log correction every plain point shares
     spec_drift: float = 0.0  # the same for speculative points
     checked: int = 0  # real speculative passes observed (0: the calibration alone)
-    bias: float | None = None  # log realized / predicted speedup of drafted passes (decayed)
+    # rows -> log realized / predicted speedup of their drafted passes, decayed (``bias``)
+    biases: dict[int, float] = field(default_factory=dict)
     paid: bool = False  # the last drafted pass beat plain by the margin
 
     def base(self, rows: int, width: int, contexts: Sequence[int] = ()) -> float:
@@ -102,16 +104,16 @@ class PassCosts:
         measure inflated them all), half into its own point; the first speculative
         passes, when faster than estimated, go wholly into the drift (``_EARLY``). A drafted
         pass's ``committed`` tokens, against the log speedup ``predicted`` for it
-        (``predicted_gain``; None: no drafter row), move ``bias``. Return log(seconds /
+        (``predicted_gain``; None: no drafter row), move its row count's ``bias``. Return log(seconds /
         estimate)."""
         if not seconds > 0:
             return 0.0
         if predicted is not None and committed > 0:  # tokens/s over a plain pass's rows/s, here
             realized = math.log(committed * self.cost(rows, 1, contexts) / (rows * seconds))
             # Clipped: one slow pass (a busy moment) must not send the rows to plain for good.
-            last = 0.0 if self.bias is None else self.bias
-            step = max(-_PASS_CLIP, min(_PASS_CLIP, realized - predicted - last))
-            self.bias = last + (step if self.bias is None else _BIAS_ALPHA * step)
+            last = self.bias(rows)  # (a row count's first record moves on from its neighbour's)
+            step = max(-_PASS_CLIP, min(_PASS_CLIP, realized - predicted - (last or 0.0)))
+            self.biases[rows] = step if last is None else last + _BIAS_ALPHA * step
             self.paid = realized >= _MARGIN
         residuals, x = self._residuals(rows, width)
         error = math.log(seconds / self.base(rows, width, contexts))
@@ -128,6 +130,13 @@ class PassCosts:
         else:
             self.spec_drift += step
         return error
+
+    def bias(self, rows: int) -> float | None:
+        """What drafted passes of ``rows`` rows delivered against their predictions (the
+        nearest row count's record where this one has none; None: no record)."""
+        if rows in self.biases or not self.biases:
+            return self.biases.get(rows)
+        return self.biases[min(self.biases, key=lambda r: (abs(r - rows), r))]
 
     def _correction(self, rows: int, width: int) -> float:
         residuals, x = self._residuals(rows, width)
@@ -203,12 +212,13 @@ def choose_widths(
     values = {cap: pass_value(rows, choices, widths(cap), costs) for cap in sorted({1, *wanted})}
     cap = max(values, key=values.__getitem__)
     best = widths(cap)
-    if judged and costs.bias is not None:  # the drafter's rows, judged by what they delivered
+    bias = costs.bias(len(rows))
+    if judged and bias is not None:  # the drafter's rows, judged by what they delivered
         undrafted = [
             1 if a and c.source == DRAFTER else w for w, a, c in zip(best, adaptive, choices)
         ]
         if undrafted != best:
             gain = values[cap] / pass_value(rows, choices, undrafted, costs)
-            if math.log(gain) + costs.bias < _MARGIN:
+            if math.log(gain) + bias < _MARGIN:
                 return undrafted
     return best
