@@ -78,18 +78,6 @@ class PassCosts:
         """The estimate: the measured curve refined by the passes seen since."""
         return self.base(rows, width, contexts) * math.exp(self._correction(rows, width))
 
-    def alone(self, sizes: Sequence[int], contexts: Sequence[int]) -> list[float]:
-        """``cost(1, size, [context])`` of each row's cycle run alone; plain rows (most rows of
-        a busy batch) share one correction and one curve lookup."""
-        plain_base, slope = interp(self.plain, 1), interp(self.slope, 1) if self.slope else 0.0
-        scale = math.exp(self._correction(1, 1))
-        return [
-            max(plain_base + slope * context_past(n, self.context), 1e-6) * scale
-            if size <= 1
-            else self.cost(1, size, [n])
-            for size, n in zip(sizes, contexts)
-        ]
-
     def observe(
         self,
         rows: int,
@@ -212,8 +200,8 @@ def choose_widths(
     values = {cap: pass_value(rows, choices, widths(cap), costs) for cap in sorted({1, *wanted})}
     cap = max(values, key=values.__getitem__)
     best = widths(cap)
-    bias = costs.bias(len(rows))
-    if judged and bias is not None:  # the drafter's rows, judged by what they delivered
+    bias = costs.bias(len(rows)) if judged else None
+    if bias is not None:  # the drafter's rows, judged by what they delivered
         undrafted = [
             1 if a and c.source == DRAFTER else w for w, a, c in zip(best, adaptive, choices)
         ]

@@ -363,7 +363,7 @@ class BatchDecoder:
             return [1.0] * len(rows)
         contexts = [row.position for row in rows]
         whole = self.costs.cost(len(rows), width, contexts)
-        return [t / whole for t in self.costs.alone([c.size for c in choices], contexts)]
+        return [self.costs.cost(1, c.size, [n]) / whole for c, n in zip(choices, contexts)]
 
 
 def _drafts(
