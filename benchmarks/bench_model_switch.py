@@ -6,8 +6,9 @@ no drafter) in a models file, served by the ``ModelSet`` that ``dflash-serve --m
 
     stall   a stream runs on A while B loads (its first load, which measures B's costs, then
             reloads with them cached): the gaps between two of A's passes during B's load vs
-            its normal gap (the median outside loads). Target: worst gap <= about 2 normal
-            passes (one pass of A plus one piece of B's load).
+            its normal gap (the median outside loads). Target: worst gap <= one pass of A plus
+            one piece of B's load (a first load's pieces: about two of B's own plain steps,
+            or two of its cycles), and never over A's own worst gap outside loads.
     switch  a budget (--max-model-memory) that holds one of them: with A loaded and idle, a
             request for B waits for A's unload and B's load; its time to first token vs a
             cold start: a new ``dflash-serve --target B`` process until its first token.

@@ -221,3 +221,60 @@ def test_measuring_lets_other_models_run_every_cycle_or_two(
     widest = [[w for w in s if w > 8] for s in stretches]  # wider than a prompt piece
     assert max(len(s) for s in widest) <= 2, max(widest, key=len)
     assert max(max(s, default=0) for s in stretches) <= 16
+
+
+def test_beside_other_streams_a_measurement_times_only_what_its_ceiling_holds(
+    tiny_hybrid: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other models streaming (they ran at the first pause): each timed piece is held to
+    ``HELD_STEPS`` plain steps. With a ceiling of 0 steps only the two narrowest sizes of each
+    curve are timed and wider ones extend it (the cycle residuals at the widest one's), so no
+    forward wider than a prompt piece runs while the cycle costs are measured, and the
+    result is ``partial`` (docs/design.md, "Several models")."""
+    from dflash_server.generation import calibrate, calibrate_passes
+    from dflash_server.generation.pauses import pausing
+    from dflash_server.generation.target import TargetModel
+    from dflash_server.testing import random_drafter
+
+    model, _ = tiny_hybrid
+    draft = random_drafter(model, block_size=8)
+    monkeypatch.setattr(calibrate, "HELD_STEPS", 0)
+    monkeypatch.setattr(calibrate_passes, "HELD_STEPS", 0)
+    widths: list[int] = []
+    forward = TargetModel.forward
+
+    def counted(self: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        widths.append(tokens.shape[1])
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(TargetModel, "forward", counted)
+    with pausing(lambda: True):
+        costs = calibrate.measure_costs(model, draft, long_context=256, widest=16)
+        assert max(widths) <= calibrate_passes.PREFILL_PIECE
+        target = TargetModel(model, draft.config.target_layer_ids)
+        passes = calibrate_passes.measure_pass_costs(target, draft, growth=costs)
+    assert costs.partial and passes.partial
+    assert sorted(costs.verify) == [1, 2, 4]
+    assert costs.cycle(16) >= costs.cycle(8) >= costs.cycle(4)  # the curve goes on rising
+    assert costs.residual[4] == costs.residual[8] == costs.residual[2]
+    assert sorted(costs.verify_residual) == [2, 4, 8, 16]
+    assert sorted(passes.plain) == [1, 2] and sorted(passes.speculative) == [4, 16]
+    with pausing(lambda: False):  # nobody else streaming: everything is timed
+        whole = calibrate.measure_costs(model, draft, long_context=256, widest=16)
+    assert not whole.partial and sorted(whole.verify) == [1, 2, 4, 8, 16]
+
+
+def test_a_partial_measurement_is_measured_whole_at_a_load_alone(tmp_path: Path) -> None:
+    """Costs measured beside other models' streams are kept and read back while others stream
+    (a reload stays quick); a load with no other model streaming measures them whole."""
+    from dataclasses import replace
+
+    from dflash_server.generation.pauses import pausing
+
+    partial = replace(COSTS, partial=True)
+    with pausing(lambda: True):
+        assert fetch(tmp_path, Measure(partial)) == partial
+        whole = Measure()
+        assert fetch(tmp_path, whole) == partial and whole.runs == 0
+    assert fetch(tmp_path, whole) == COSTS and whole.runs == 1
+    assert fetch(tmp_path, whole) == COSTS and whole.runs == 1  # kept whole

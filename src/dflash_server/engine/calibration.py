@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from dflash_server.engine.blas import openblas_loaded
 from dflash_server.engine.phases import phase
+from dflash_server.generation.pauses import pause
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -122,8 +123,12 @@ class CalibrationCache:
 
     def fetch(self, kind: str, cls: type[T], measure: Callable[[], T], **params: Any) -> T:
         """The ``cls`` (a dataclass) cached for ``kind`` and ``params``, else ``measure()``'s
-        result, then stored for the next start."""
+        result, then stored for the next start. A ``partial`` one (measured beside other
+        models' streams, its pieces held short) is measured again at a load with none."""
         value = self.cached(kind, cls, **params)
+        if value is not None and getattr(value, "partial", False) and not pause():
+            log.info("%s costs were measured beside other models' streams: measuring whole", kind)
+            value = None  # no other model is streaming now (they ran no pass at this pause)
         if value is None:
             value = measured(kind, measure, self.folder is not None)
             self.keep(kind, value, **params)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from dflash_server.engine.allocator import trim
 from dflash_server.engine.jobs import EngineNotReady
@@ -289,7 +290,7 @@ class ModelSet:
         self._nested = True
         try:
             ran = self._turn()
-            mx.synchronize()
+            mx.synchronize(generation_stream)  # where their passes run (not the default)
             return ran
         finally:
             self._nested = False

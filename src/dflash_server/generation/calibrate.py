@@ -21,17 +21,19 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from dflash_server.adaptive.controller import BlockController
-from dflash_server.adaptive.costs import CostModel, context_past, rising
+from dflash_server.adaptive.costs import CostModel, context_past, interp, rising
 from dflash_server.adaptive.policy import SUFFIX, Choice, FixedBlock
 from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.drafters.suffix import Proposal, SuffixProposer
-from dflash_server.generation.calibrate_passes import PREFILL_PIECE, prefill_in_pieces
+from dflash_server.generation.calibrate_passes import HELD_STEPS, PREFILL_PIECE, prefill_in_pieces
 from dflash_server.generation.cycle import PREFILL_CHUNK
 from dflash_server.generation.pauses import pause
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
 from dflash_server.generation.target import TargetModel
+
+_APPEND_PIECE = 256  # context positions the drafter takes in between two pauses
 
 
 def _widths(block: int) -> list[int]:
@@ -66,6 +68,12 @@ def measure_costs(
     timing exactly 3 times, whatever it takes (ranks of a sharded target measure together, and
     a count that followed each rank's own clock would desynchronise their collectives).
 
+    Beside other models' streams (they ran at the first pause), each timed piece is held to
+    about ``HELD_STEPS`` plain steps: fewer steps a run, and verify widths timed in turn up to
+    the first that would last longer; wider ones extend the curve, and are refined by the
+    requests' real cycles. The calibration cache measures such a ``partial`` result again at a
+    load with no other model streaming (``engine/calibration.py``).
+
     Runs MLX work: call it on the thread that owns the models (the engine's worker).
     """
     start = time.perf_counter()
@@ -75,13 +83,18 @@ def measure_costs(
     target = TargetModel(model, taps_ids)
     widths = [w for w in _widths(widest) if w > 1]
     deadline = None if fixed else start + budget_s
-    short = _Pieces(target, draft, context, widest, plain_steps, deadline)
+    # Other models are streaming (they ran at this pause): each timed piece is held short.
+    beside = pause() and not fixed
+    steps = max(1, min(plain_steps, HELD_STEPS)) if beside else plain_steps
+    short = _Pieces(target, draft, context, widest, steps, deadline)
     drafting = {} if draft is None else {s: short.timed(short.drafting(s)) for s in {2, block}}
     plain = short.timed(short.plain)
-    verify = rising({w: short.timed(short.verify(w)) for w in widths})
+    ceiling = HELD_STEPS * plain if beside else math.inf
+    verify = rising(short.verifies(widths, ceiling))
+    widths = sorted(verify)  # the widths timed; wider ones extend the curve (costs.interp)
     verify[1] = min(plain, min(verify.values(), default=plain))
     draft_costs = rising(drafting)
-    for width in range(2, block):  # compile every width's graphs now, not in a request
+    for width in range(2, min(block, widths[-1] if widths else 1)):  # compile graphs now
         if width not in verify:
             pause()
             short.verify(width)()
@@ -91,9 +104,9 @@ def measure_costs(
     if long_context > context:
         deadline = None if fixed else time.perf_counter() + budget_s
         # Half the plain steps: each timing at that context holds other models' streams.
-        long = _Pieces(target, draft, long_context, widest, plain_steps // 2, deadline, context)
+        long = _Pieces(target, draft, long_context, widest, max(1, steps // 2), deadline, context)
         span = long_context - context
-        grown = {1: long.timed(long.plain), **{w: long.timed(long.verify(w)) for w in widths}}
+        grown = {1: long.timed(long.plain), **long.verifies(widths, ceiling)}
         shorter = {1: plain, **verify}
         slope = _linear_in_width({w: (t - shorter[w]) / span for w, t in grown.items()})
         if draft is not None:
@@ -102,18 +115,30 @@ def measure_costs(
             grown_draft = long.timed(long.drafting(block)) - draft_costs[block]
             draft_slope = max(0.0, grown_draft) / reads if reads else 0.0
     costs = CostModel(plain, verify, draft_costs, context=context, slope=slope,
-                      draft_slope=draft_slope, draft_reach=draft_reach)  # fmt: skip
+                      draft_slope=draft_slope, draft_reach=draft_reach, partial=beside)  # fmt: skip
     if calibrate:
         prompt = cast("list[int]", short.ids[0, :context].tolist())
-        copies = [w for w in _widths(widest) if w > 1]
+        # A calibration piece runs about two cycles (``_cycle_times``): widths up to 2, and
+        # wider ones while two of their cycles stay under the ceiling.
+        cycles = [w for w in _widths(block) if w <= 2 or 2 * costs.base(w) <= ceiling]
+        copies = [w for w in widths if w == 2 or 2 * costs.base(w, False) <= ceiling]
+        residual = _calibrate(costs, target, draft, prompt, cycles, 1 if beside else 6)
+        copied = _calibrate_copies(costs, TargetModel(model, taps_ids), draft, prompt, copies)
         costs = replace(
             costs,
-            residual=_calibrate(costs, target, draft, prompt, _widths(block)),
-            verify_residual=_calibrate_copies(
-                costs, TargetModel(model, taps_ids), draft, prompt, copies
-            ),
+            residual=_level(residual, _widths(block)),
+            verify_residual=_level(copied, _widths(widest)),
         )
     return replace(costs, measured_s=time.perf_counter() - start)
+
+
+def _level(residuals: dict[int, float], widths: list[int]) -> dict[int, float]:
+    """``residuals`` with the ``widths`` left uncalibrated at the widest calibrated one's (a
+    line through two noisy log ratios, extended far, is wild; real cycles refine them)."""
+    top = max((w for w in residuals if w > 1), default=None)
+    if top is None:
+        return residuals
+    return {**{w: residuals[top] for w in widths if w > top}, **residuals}
 
 
 def _reach(draft: Drafter) -> int | None:
@@ -151,11 +176,15 @@ class _Pieces:
             elif real < context:  # a cache it cannot fill: prefill the rest
                 _, more = target.forward(self.ids[:, real:context], self.cache, slice(-1, None))
                 taps = None if taps is None or more is None else mx.concatenate([taps, more], 1)
-            self.draft_cache = draft.make_cache() if draft is not None else []
-            if draft is not None:
-                assert taps is not None, "a target tapped for the drafter"
-                draft.append_context(taps, self.draft_cache, self.ids[0, :context])
-            mx.eval([c.state for c in self.cache], [c.state for c in self.draft_cache])
+            mx.eval([c.state for c in self.cache])
+        self.draft_cache = draft.make_cache() if draft is not None else []
+        for begin in range(0, context if draft is not None else 0, _APPEND_PIECE):
+            assert draft is not None and taps is not None, "a target tapped for the drafter"
+            pause()
+            with mx.stream(generation_stream):
+                end = min(begin + _APPEND_PIECE, context)
+                draft.append_context(taps[:, begin:end], self.draft_cache, self.ids[0, begin:end])
+                mx.eval([c.state for c in self.draft_cache])
         self.rollback = target.make_rollback(self.cache)
 
     def timed(self, run: Any) -> float:
@@ -170,6 +199,16 @@ class _Pieces:
             if self.deadline is not None and time.perf_counter() > self.deadline:
                 break
         return statistics.median(runs)
+
+    def verifies(self, widths: list[int], ceiling: float) -> dict[int, float]:
+        """Timed verifies of ``widths`` (ascending), up to the first whose cost, extended from
+        the two before it, would pass ``ceiling`` seconds (the first two are always timed)."""
+        timed: dict[int, float] = {}
+        for width in widths:
+            if len(timed) >= 2 and interp(rising(timed), width) > ceiling:
+                break
+            timed[width] = self.timed(self.verify(width))
+        return timed
 
     def plain(self) -> float:
         cache, ids, context = self.cache, self.ids, self.context
@@ -239,6 +278,7 @@ def _calibrate(
     draft: Drafter | None,
     prompt: list[int],
     widths: list[int],
+    steps: int = 6,
     rounds: int = 3,
 ) -> dict[int, float]:
     """Each width's starting residual, from a short real decode at that width (plain steps and
@@ -255,7 +295,7 @@ def _calibrate(
             FixedBlock(width),
             prefill_step_size=PREFILL_PIECE,
         )
-        return _cycle_times(SpeculativeDecoder(row), prompt, width)
+        return _cycle_times(SpeculativeDecoder(row), prompt, width, steps=steps)
 
     if draft is None:
         widths = [1]
@@ -313,25 +353,24 @@ def _calibrate_copies(
 
 
 def _cycle_times(
-    decoder: SpeculativeDecoder, prompt: list[int], width: int, extra: int = 0
+    decoder: SpeculativeDecoder, prompt: list[int], width: int, extra: int = 0, steps: int = 6
 ) -> list[float]:
     """Seconds of real cycles of ``width`` after the prompt's prefill, other models' passes
-    between the prefill's chunks: the first speculative cycle, queued as the prefill's token
-    is handed out, timed from there (a pause then would run beside it); or six plain steps
-    after a pause and one untimed step (plain steps are queued ahead of the one read). The
-    longest stretch a load holds other models' streams (docs/design.md, "Several models")."""
-    timed = 6 if width == 1 else 1
-    steps = decoder.generate(prompt, (timed + 2) * width + extra, yield_chunks=True)
+    between the prefill's chunks and after its token: the second speculative cycle (queued as
+    the first is read), or ``steps`` plain steps after an untimed one (plain steps are queued
+    ahead of the one read). A piece runs about two cycles: the timed one and the one queued
+    after it, which runs at the next pause (docs/design.md, "Several models")."""
+    timed = steps if width == 1 else 1
+    cycles = decoder.generate(prompt, (timed + 3) * width + extra, yield_chunks=True)
     pause()
-    for commit in steps:  # the prefill's chunks, then its token
+    for commit in cycles:  # the prefill's chunks, then its token
         if commit is not PREFILL_CHUNK:
             break
         pause()
-    if width == 1:
-        pause()
-        next(steps)
-    stamps = [time.perf_counter()] + [time.perf_counter() for _ in zip(range(timed), steps)]
-    steps.close()
+    pause()  # the first cycle, queued as the token was handed out, runs before the others
+    next(cycles)
+    stamps = [time.perf_counter()] + [time.perf_counter() for _ in zip(range(timed), cycles)]
+    cycles.close()
     return [b - a for a, b in itertools.pairwise(stamps)]
 
 

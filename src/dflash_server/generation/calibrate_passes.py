@@ -3,6 +3,7 @@ decoder's pieces (the rows' drafter pass, one recorded verify) timed at a few si
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_server.adaptive.costs import CostModel, rising
+from dflash_server.adaptive.costs import CostModel, interp, rising
 from dflash_server.adaptive.pass_costs import PassCosts
 from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.generation.pauses import pause
@@ -18,17 +19,23 @@ from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.target import TargetModel
 
 PREFILL_PIECE = 8  # prompt tokens a measurement prefills between two pauses
+# Beside other models' streams, a load's timed piece lasts about this many of its own plain
+# steps at most (docs/design.md, "Several models").
+HELD_STEPS = 2
 
 
-def prefill_in_pieces(target: TargetModel, ids: mx.array, cache: list[Any]) -> mx.array | None:
-    """Prefill ``ids`` into ``cache`` a few tokens at a time, other models' passes between
-    the pieces (``pauses.py``); the taps of every position (None: an untapped target)."""
+def prefill_in_pieces(
+    target: TargetModel, ids: mx.array, cache: list[Any], piece: int = PREFILL_PIECE
+) -> mx.array | None:
+    """Prefill ``ids`` into ``cache`` ``piece`` tokens of each row at a time, other models'
+    passes between the pieces (``pauses.py``); the taps of every position (None: an untapped
+    target)."""
     taps: list[mx.array] = []
-    for begin in range(0, ids.shape[1], PREFILL_PIECE):
+    for begin in range(0, ids.shape[1], piece):
         pause()
         with mx.stream(generation_stream):
-            piece = ids[:, begin : begin + PREFILL_PIECE]
-            _, t = target.forward(piece, cache, slice(-1, None))
+            piece_ids = ids[:, begin : begin + piece]
+            _, t = target.forward(piece_ids, cache, slice(-1, None))
             mx.eval([c.state for c in cache], *([] if t is None else [t]))
         if t is not None:
             taps.append(t)
@@ -48,16 +55,21 @@ def measure_pass_costs(
     """Time plain passes of 1, 2, 4, 8, 16 rows and speculative ones of 1, 2, 4, 8 rows x
     ``width`` (batched drafter pass + recorded verify) on ``context``-token rows; medians of
     up to 3 runs after a warm-up, fewer once ``budget_s`` is spent (``fixed``: always 3, as
-    ``measure_costs``). ``growth``: the pair's cycle costs, whose per-token growth each row's
-    context adds to a pass. Runs MLX work: call it on the thread that owns the models."""
+    ``measure_costs``). Beside other models' streams, sizes are timed in turn up to the first
+    that would last over ``HELD_STEPS`` one-row plain passes; bigger ones extend the curve
+    (``PassCosts`` interpolates) and the result is ``partial``. ``growth``: the pair's cycle
+    costs, whose per-token growth each row's context adds to a pass. Runs MLX work: call it on
+    the thread that owns the models."""
     start = time.perf_counter()
     greedy = TokenSampler(SamplingParams())
     mask_id = draft.config.mask_token_id
+    beside = pause() and not fixed  # other models are streaming: each timed piece held short
 
     def timed(rows: int, w: int) -> float:
         ids = (mx.arange(rows * (context + w)).reshape(rows, -1) % 97) + 1
         cache = target.make_cache()
-        taps = prefill_in_pieces(target, ids[:, :context], cache)
+        piece = max(1, PREFILL_PIECE // rows) if beside else PREFILL_PIECE
+        taps = prefill_in_pieces(target, ids[:, :context], cache, piece)
         assert taps is not None, "a target tapped for the drafter"
         drafts = []
         for r in range(rows):
@@ -99,8 +111,20 @@ def measure_pass_costs(
             runs.append(once())
         return statistics.median(runs)
 
-    plain = {r: timed(r, 1) for r in (1, 2, 4, 8, 16)}
-    speculative = {4: timed(1, 4), **{r * width: timed(r, width) for r in (1, 2, 4, 8)}}
+    def held(sizes: list[tuple[int, int]], times: dict[int, float]) -> dict[int, float]:
+        """``times`` and the timings by positions (rows x width) of ``sizes``, up to the first
+        that, extended from the two before it, would pass the ceiling (two are always timed)."""
+        times = dict(times)
+        for rows, w in sizes:
+            if len(times) >= 2 and interp(rising(times), rows * w) > ceiling:
+                break
+            times[rows * w] = timed(rows, w)
+        return times
+
+    one = timed(1, 1)
+    ceiling = HELD_STEPS * one if beside else math.inf
+    plain = held([(r, 1) for r in (2, 4, 8, 16)], {1: one})
+    speculative = held([(1, 4), *((r, width) for r in (1, 2, 4, 8))], {})
     growth = growth or CostModel(0.0, {}, {})  # each row's context adds the pair's growth
     return PassCosts(
         plain,
@@ -110,4 +134,5 @@ def measure_pass_costs(
         slope=dict(growth.slope),
         draft_slope=growth.draft_slope,
         draft_reach=growth.draft_reach,
+        partial=beside,
     )

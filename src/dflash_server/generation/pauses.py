@@ -27,11 +27,11 @@ _PROGRESS: ContextVar[Callable[[str], None] | None] = ContextVar("dflash_progres
 IDLE_WAIT_S = 0.002  # off_worker's wait between two looks when the other models are idle
 
 
-def pause() -> None:
-    """Let the worker run one round of its other work (nothing when no hook is set)."""
+def pause() -> bool:
+    """Let the worker run one round of its other work (nothing when no hook is set); whether
+    any ran (other models are streaming: the work holds its pieces short)."""
     hook = _HOOK.get()
-    if hook is not None:
-        hook()
+    return hook is not None and bool(hook())
 
 
 def progress(what: str) -> None:
