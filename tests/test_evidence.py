@@ -206,3 +206,35 @@ def test_each_row_count_keeps_its_own_record_of_drafted_passes() -> None:
     costs.observe(8, 2, 3.0, committed=8, predicted=0.0)  # a plain pass's 8 tokens in its 3 s
     assert costs.bias(4) == pytest.approx(math.log(0.5))
     assert costs.bias(8) == pytest.approx(0.7 * math.log(0.5))
+
+
+def test_a_batch_the_curves_hold_to_plain_probes_within_a_share_of_its_time(
+    tiny_hybrid: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a compute-bound machine a drafted pass of 4 rows x 8 costs 12 plain ones: the budget
+    holds the rows to plain decoding. Its first probes check the calibration (at once, then
+    after 4 and 8 narrowed passes); after that a probe waits until its extra cost is at most
+    2 % of the plain passes since the last (here the longest gap, 256): 4 drafted passes in
+    200, where a gap that merely doubled let 6 through. Every answer is plain decoding's."""
+    model, tokenizer = tiny_hybrid
+    prompt = list(tokenizer.encode("def fibonacci(n):"))
+    answer = plain_greedy(model, prompt, 200)
+    draft = random_drafter(model, block_size=16)
+    target = TargetModel(model, draft.config.target_layer_ids)
+    PassClock(monkeypatch, target, PASSES)
+    costs = PassCosts(dict(PASSES.plain), dict(PASSES.speculative))
+    batch = BatchDecoder(target, costs=costs)
+    specs = {i: (Row(target, draft, TokenSampler(SamplingParams()), Optimist(8)), prompt, 200)
+             for i in range(4)}  # fmt: skip
+    drafted = 0
+    observe = costs.observe
+
+    def counted(rows: int, w: int, *args: Any, **kwargs: Any) -> float:
+        nonlocal drafted
+        drafted += w > 1
+        return observe(rows, w, *args, **kwargs)
+
+    monkeypatch.setattr(costs, "observe", counted)
+    for commits in step_rows(batch, specs).values():
+        assert [t for c in commits for t in c.tokens] == answer
+    assert drafted == 4 and batch.passes >= 196, (drafted, batch.passes)

@@ -120,6 +120,11 @@ class PassCosts:
             self.spec_drift += step
         return error
 
+    @property
+    def settled(self) -> bool:
+        """Whether the first real speculative passes have checked the calibration."""
+        return self.checked >= _EARLY
+
     def bias(self, rows: int) -> float | None:
         """What drafted passes of ``rows`` rows delivered against their predictions (the
         nearest row count's record where this one has none; None: no record)."""

@@ -51,6 +51,7 @@ from dflash_server.models.mrope import Positions
 Outcome = Commit | Exception  # what a step hands a row: its commit, or the error that ended it
 _PROBE_GAP, _MAX_PROBE_GAP = 4, 256  # narrowed passes before the budget lets one through
 _HOLD = 8  # a probe gap from which narrowed rows decode plainly a while (they re-check less)
+_PROBE_SHARE = 0.02  # a probe's extra cost over a plain pass, at most this share of the gap's
 _TIME_PLAIN = 8  # a plain pass of several rows times them every this many passes
 _OFF = math.log(1.5)  # a pass this much cheaper than estimated says the costs are off
 
@@ -268,15 +269,27 @@ class BatchDecoder:
         judgement of what drafting delivered aside), or at the rows' own widths where the
         curves say plain. Due at once while no real speculative pass has checked the
         calibration; else after a gap of narrowed passes that doubles, up to
-        ``_MAX_PROBE_GAP``, while the budget keeps narrowing."""
-        assert self.costs is not None
-        if self.costs.checked:
+        ``_MAX_PROBE_GAP``, while the budget keeps narrowing; once the first passes settled
+        the calibration, long enough too that the probe's extra cost is at most
+        ``_PROBE_SHARE`` of the plain passes in it (at 4 or 8 rows a drafted pass may cost 3
+        plain ones: a probe every few passes lost 5 %)."""
+        costs = self.costs
+        assert costs is not None
+        if costs.checked:
             self._capped += 1
             if self._capped < self._probe_gap:
                 return None
-            self._capped, self._probe_gap = 0, min(2 * self._probe_gap, _MAX_PROBE_GAP)
-        curves = choose_widths(rows, choices, self.costs, judged=False)
-        return curves if max(curves) > 1 else [c.size for c in choices]
+        curves = choose_widths(rows, choices, costs, judged=False)
+        widths = curves if max(curves) > 1 else [c.size for c in choices]
+        gap = 2 * self._probe_gap
+        if costs.settled:  # the estimate is real passes' now (before, a busy one must not wait)
+            contexts = [row.position for row in rows]
+            plain = costs.cost(len(rows), 1, contexts)
+            extra = costs.cost(len(rows), max(widths), contexts) / plain - 1
+            gap = max(gap, math.ceil(extra / _PROBE_SHARE))
+        if costs.checked:
+            self._capped, self._probe_gap = 0, min(gap, _MAX_PROBE_GAP)
+        return widths
 
     def _verify(self, rows: list[Row], plan: dict[Row, Choice] | None) -> dict[Row, Commit]:
         """One pass: draft, verify every row in one forward, score and commit each row, then
