@@ -100,7 +100,7 @@ class CostModel:
     shared: CostModel | None = field(default=None, repr=False)  # the pair's, refined too
     checked: int = 0  # real drafted cycles observed (0: the curve is the calibration alone)
     timed: dict[int, int] = field(default_factory=dict)  # drafted width -> real cycles timed
-    partial: bool = False  # measured beside other models' streams: wide widths extended, not kept
+    partial: bool = False  # measured beside other models' streams: wide widths extended
     _sweeps: tuple[Any, Any] = field(default=(None, None), init=False, repr=False, compare=False)
 
     def base(self, size: int, drafted: bool = True, context: int = 0) -> float:

@@ -60,7 +60,7 @@ class PassCosts:
     # rows -> log realized / predicted speedup of their drafted passes, decayed (``bias``)
     biases: dict[int, float] = field(default_factory=dict)
     paid: bool = False  # the last drafted pass beat plain by the margin
-    partial: bool = False  # measured beside other models' streams: big passes extended, not kept
+    partial: bool = False  # measured beside other models' streams: big passes extended
 
     def base(self, rows: int, width: int, contexts: Sequence[int] = ()) -> float:
         """The measured curve at this pass, plus attention over the rows' ``contexts`` past

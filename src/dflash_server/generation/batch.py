@@ -268,11 +268,7 @@ class BatchDecoder:
         to measure it (its costs may come from a busy moment) at the curves' own cap (their
         judgement of what drafting delivered aside), or at the rows' own widths where the
         curves say plain. Due at once while no real speculative pass has checked the
-        calibration; else after a gap of narrowed passes that doubles, up to
-        ``_MAX_PROBE_GAP``, while the budget keeps narrowing; once the first passes settled
-        the calibration, long enough too that the probe's extra cost is at most
-        ``_PROBE_SHARE`` of the plain passes in it (at 4 or 8 rows a drafted pass may cost 3
-        plain ones: a probe every few passes lost 5 %)."""
+        calibration; else after a gap of narrowed passes (``_next_gap``)."""
         costs = self.costs
         assert costs is not None
         if costs.checked:
@@ -281,15 +277,21 @@ class BatchDecoder:
                 return None
         curves = choose_widths(rows, choices, costs, judged=False)
         widths = curves if max(curves) > 1 else [c.size for c in choices]
-        gap = 2 * self._probe_gap
-        if costs.settled:  # the estimate is real passes' now (before, a busy one must not wait)
-            contexts = [row.position for row in rows]
-            plain = costs.cost(len(rows), 1, contexts)
-            extra = costs.cost(len(rows), max(widths), contexts) / plain - 1
-            gap = max(gap, math.ceil(extra / _PROBE_SHARE))
         if costs.checked:
-            self._capped, self._probe_gap = 0, min(gap, _MAX_PROBE_GAP)
+            self._capped, self._probe_gap = 0, self._next_gap(costs, rows, max(widths))
         return widths
+
+    def _next_gap(self, costs: PassCosts, rows: list[Row], width: int) -> int:
+        """The probe gap doubled (to ``_MAX_PROBE_GAP``); once the calibration is settled
+        (before, a busy one must not make the next probe wait), long enough too that the
+        probe's extra cost is at most ``_PROBE_SHARE`` of the plain passes in it (a drafted
+        pass of 4 rows may cost 3 plain ones: a probe every few passes lost 5 %)."""
+        gap = 2 * self._probe_gap
+        if costs.settled:
+            contexts = [row.position for row in rows]
+            extra = costs.cost(len(rows), width, contexts) / costs.cost(len(rows), 1, contexts) - 1
+            gap = max(gap, math.ceil(extra / _PROBE_SHARE))
+        return min(gap, _MAX_PROBE_GAP)
 
     def _verify(self, rows: list[Row], plan: dict[Row, Choice] | None) -> dict[Row, Commit]:
         """One pass: draft, verify every row in one forward, score and commit each row, then
