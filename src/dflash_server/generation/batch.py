@@ -28,7 +28,6 @@ docs/design.md, "Batching under speculation"), sampled rows with the same law.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Generator
 from typing import cast
@@ -40,6 +39,7 @@ from dflash_server.adaptive.pass_costs import PassCosts, choose_widths, predicte
 from dflash_server.adaptive.policy import DRAFTER, SUFFIX, Choice
 from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.generation.batch_cache import BatchCache, batchable, rollback_rows
+from dflash_server.generation.batch_probes import Probes
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit, Cycle
 from dflash_server.generation.kv_quant import KVQuant
 from dflash_server.generation.prefill import prefill, prefill_steps, prefill_together
@@ -49,11 +49,7 @@ from dflash_server.generation.target import TargetModel
 from dflash_server.models.mrope import Positions
 
 Outcome = Commit | Exception  # what a step hands a row: its commit, or the error that ended it
-_PROBE_GAP, _MAX_PROBE_GAP = 4, 256  # narrowed passes before the budget lets one through
-_HOLD = 8  # a probe gap from which narrowed rows decode plainly a while (they re-check less)
-_PROBE_SHARE = 0.02  # a probe's extra cost over a plain pass, at most this share of the gap's
 _TIME_PLAIN = 8  # a plain pass of several rows times them every this many passes
-_OFF = math.log(1.5)  # a pass this much cheaper than estimated says the costs are off
 
 
 class BatchDecoder:
@@ -82,8 +78,7 @@ class BatchDecoder:
         self._joining: list[Row] = []  # prefilled this step: they join after its pass
         self.passes = 0
         self.last_pass: tuple[int, int] = (0, 0)  # (rows, verified positions) of the last pass
-        self._capped, self._probe_gap = 0, _PROBE_GAP  # passes the budget narrowed; next probe
-        self._holding = False  # it narrowed rows to plain, which follow it (controller.py)
+        self.probes = Probes()  # when the budget lets a narrowed pass through
         self.histogram: dict[int, int] = {}  # rows in a pass -> passes
         self.prefilled_together = 0  # prompts prefilled in a shared forward
 
@@ -238,18 +233,16 @@ class BatchDecoder:
         """Each row's next cycle (its policy: drafter block, suffix copy or plain), narrowed by
         the verify budget and the ``max_verify`` cap. A pinned row (seeded sampling) keeps its
         width, so its answer never depends on the rows beside it."""
+        if self.costs is not None and self.probes.quiet(rows):  # held, no probe due: no looks
+            return [Choice.width(1)] * len(rows)
         choices = [row.choose() for row in rows]
         widths = [c.size for c in choices]
         if self.costs is not None and len(rows) > 1:  # the verify budget (adaptive/pass_costs.py)
             budget = choose_widths(rows, choices, self.costs)
-            if budget == widths:  # nothing narrowed: probing starts over once drafts ran
-                if max(widths) > 1:
-                    self._capped, self._probe_gap, self._holding = 0, _PROBE_GAP, False
-                elif self._holding:  # narrowed rows decode plainly a while: the gap runs on
-                    self._capped += 1
+            if budget == widths:
+                self.probes.unnarrowed(max(widths) > 1)
             else:
-                self._holding = True
-                widths = self._probe(rows, choices) or budget
+                widths = self.probes.narrowed(rows, choices, self.costs) or budget
         if self.max_verify is not None:
             free = [not row.pinned for row in rows]
             while len(rows) * max(widths) > self.max_verify:
@@ -257,41 +250,11 @@ class BatchDecoder:
                 if top <= 1:
                     break
                 widths = [w - 1 if w == top and f else w for w, f in zip(widths, free)]
-        if self._probe_gap >= _HOLD:  # narrowing persists: the rows follow it a while
+        if self.probes.followed:  # narrowing persists: the rows follow it a while
             for row, c, w in zip(rows, choices, widths):
                 if w < c.size:
                     row.policy.narrowed(w)
         return [c.narrow(w) for c, w in zip(choices, widths)]
-
-    def _probe(self, rows: list[Row], choices: list[Choice]) -> list[int] | None:
-        """The widths of a probe, when one is due: a pass the budget would narrow, let through
-        to measure it (its costs may come from a busy moment) at the curves' own cap (their
-        judgement of what drafting delivered aside), or at the rows' own widths where the
-        curves say plain. Due at once while no real speculative pass has checked the
-        calibration; else after a gap of narrowed passes (``_next_gap``)."""
-        costs = self.costs
-        assert costs is not None
-        if costs.checked:
-            self._capped += 1
-            if self._capped < self._probe_gap:
-                return None
-        curves = choose_widths(rows, choices, costs, judged=False)
-        widths = curves if max(curves) > 1 else [c.size for c in choices]
-        if costs.checked:
-            self._capped, self._probe_gap = 0, self._next_gap(costs, rows, max(widths))
-        return widths
-
-    def _next_gap(self, costs: PassCosts, rows: list[Row], width: int) -> int:
-        """The probe gap doubled (to ``_MAX_PROBE_GAP``); once the calibration is settled
-        (before, a busy one must not make the next probe wait), long enough too that the
-        probe's extra cost is at most ``_PROBE_SHARE`` of the plain passes in it (a drafted
-        pass of 4 rows may cost 3 plain ones: a probe every few passes lost 5 %)."""
-        gap = 2 * self._probe_gap
-        if costs.settled:
-            contexts = [row.position for row in rows]
-            extra = costs.cost(len(rows), width, contexts) / costs.cost(len(rows), 1, contexts) - 1
-            gap = max(gap, math.ceil(extra / _PROBE_SHARE))
-        return min(gap, _MAX_PROBE_GAP)
 
     def _verify(self, rows: list[Row], plan: dict[Row, Choice] | None) -> dict[Row, Commit]:
         """One pass: draft, verify every row in one forward, score and commit each row, then
@@ -361,10 +324,7 @@ class BatchDecoder:
             contexts = [row.position for row in rows]
             committed = sum(row.kept for row in rows)
             error = self.costs.observe(len(rows), width, seconds, contexts, committed, predicted)
-            # A probe far cheaper than estimated, or one that paid: probe again soon.
-            paid = width > 1 and self.costs.paid
-            if self._capped == 0 and (error < -_OFF or paid):
-                self._probe_gap = _PROBE_GAP
+            self.probes.observed(self.costs, rows, width, seconds, error)
         self.passes += 1
         self.last_pass = (len(rows), len(rows) * width)
         self.histogram[len(rows)] = self.histogram.get(len(rows), 0) + 1
