@@ -78,8 +78,8 @@ class Probes:
         if costs.checked:
             gap = 2 * self.gap
             if costs.settled:  # before, a busy calibration must not make the next probe wait
-                gap = max(gap, self._covering(costs.cost(len(rows), max(widths), _at(rows)),
-                                              costs, rows))  # fmt: skip
+                predicted = costs.cost(len(rows), max(widths), _at(rows))
+                gap = max(gap, self._covering(predicted, costs, rows))
             self.capped, self.gap = 0, min(gap, _MAX_GAP)
         self.probing = True
         return widths
