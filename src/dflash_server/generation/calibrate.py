@@ -21,11 +21,16 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from dflash_server.adaptive.controller import BlockController
-from dflash_server.adaptive.costs import CostModel, context_past, interp, rising
+from dflash_server.adaptive.costs import CostModel, context_past, rising
 from dflash_server.adaptive.policy import SUFFIX, Choice, FixedBlock
 from dflash_server.drafters.protocol import Drafter, DraftRow
 from dflash_server.drafters.suffix import Proposal, SuffixProposer
-from dflash_server.generation.calibrate_passes import HELD_STEPS, PREFILL_PIECE, prefill_in_pieces
+from dflash_server.generation.calibrate_passes import (
+    HELD_STEPS,
+    PREFILL_PIECE,
+    prefill_in_pieces,
+    timed_in_turn,
+)
 from dflash_server.generation.cycle import PREFILL_CHUNK
 from dflash_server.generation.pauses import pause
 from dflash_server.generation.row import Row
@@ -90,7 +95,7 @@ def measure_costs(
     drafting = {} if draft is None else {s: short.timed(short.drafting(s)) for s in {2, block}}
     plain = short.timed(short.plain)
     ceiling = HELD_STEPS * plain if beside else math.inf
-    verify = rising(short.verifies(widths, ceiling))
+    verify = rising(timed_in_turn(widths, lambda w: short.timed(short.verify(w)), ceiling, {}))
     widths = sorted(verify)  # the widths timed; wider ones extend the curve (costs.interp)
     verify[1] = min(plain, min(verify.values(), default=plain))
     draft_costs = rising(drafting)
@@ -106,7 +111,8 @@ def measure_costs(
         # Half the plain steps: each timing at that context holds other models' streams.
         long = _Pieces(target, draft, long_context, widest, max(1, steps // 2), deadline, context)
         span = long_context - context
-        grown = {1: long.timed(long.plain), **long.verifies(widths, ceiling)}
+        grown = {1: long.timed(long.plain)}
+        grown |= timed_in_turn(widths, lambda w: long.timed(long.verify(w)), ceiling, {})
         shorter = {1: plain, **verify}
         slope = _linear_in_width({w: (t - shorter[w]) / span for w, t in grown.items()})
         if draft is not None:
@@ -199,16 +205,6 @@ class _Pieces:
             if self.deadline is not None and time.perf_counter() > self.deadline:
                 break
         return statistics.median(runs)
-
-    def verifies(self, widths: list[int], ceiling: float) -> dict[int, float]:
-        """Timed verifies of ``widths`` (ascending), up to the first whose cost, extended from
-        the two before it, would pass ``ceiling`` seconds (the first two are always timed)."""
-        timed: dict[int, float] = {}
-        for width in widths:
-            if len(timed) >= 2 and interp(rising(timed), width) > ceiling:
-                break
-            timed[width] = self.timed(self.verify(width))
-        return timed
 
     def plain(self) -> float:
         cache, ids, context = self.cache, self.ids, self.context

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -22,6 +23,20 @@ PREFILL_PIECE = 8  # prompt tokens a measurement prefills between two pauses
 # Beside other models' streams, a load's timed piece lasts about this many of its own plain
 # steps at most (docs/design.md, "Several models").
 HELD_STEPS = 2
+
+
+def timed_in_turn(
+    sizes: list[int], time_one: Callable[[int], float], ceiling: float, times: dict[int, float]
+) -> dict[int, float]:
+    """``times`` and ``time_one(size)`` of ``sizes`` (ascending) in turn, up to the first
+    whose cost, extended from the two before it, would pass ``ceiling`` seconds (two are always
+    timed; the wider ones are left to the curve: ``costs.interp``)."""
+    times = dict(times)
+    for size in sizes:
+        if len(times) >= 2 and interp(rising(times), size) > ceiling:
+            break
+        times[size] = time_one(size)
+    return times
 
 
 def prefill_in_pieces(
@@ -111,20 +126,11 @@ def measure_pass_costs(
             runs.append(once())
         return statistics.median(runs)
 
-    def held(sizes: list[tuple[int, int]], times: dict[int, float]) -> dict[int, float]:
-        """``times`` and the timings by positions (rows x width) of ``sizes``, up to the first
-        that, extended from the two before it, would pass the ceiling (two are always timed)."""
-        times = dict(times)
-        for rows, w in sizes:
-            if len(times) >= 2 and interp(rising(times), rows * w) > ceiling:
-                break
-            times[rows * w] = timed(rows, w)
-        return times
-
     one = timed(1, 1)
     ceiling = HELD_STEPS * one if beside else math.inf
-    plain = held([(r, 1) for r in (2, 4, 8, 16)], {1: one})
-    speculative = held([(1, 4), *((r, width) for r in (1, 2, 4, 8))], {})
+    plain = timed_in_turn([2, 4, 8, 16], lambda rows: timed(rows, 1), ceiling, {1: one})
+    shapes = {4: (1, 4), **{r * width: (r, width) for r in (1, 2, 4, 8)}}  # by positions
+    speculative = timed_in_turn(sorted(shapes), lambda p: timed(*shapes[p]), ceiling, {})
     growth = growth or CostModel(0.0, {}, {})  # each row's context adds the pair's growth
     return PassCosts(
         plain,
