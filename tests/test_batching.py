@@ -9,8 +9,10 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_server.adaptive.policy import Choice, FixedBlock
+from dflash_server.generation import row as row_module
 from dflash_server.generation.batch import BatchDecoder
 from dflash_server.generation.cycle import PREFILL_CHUNK, Commit
+from dflash_server.generation.prefill import prefill
 from dflash_server.generation.row import Row
 from dflash_server.generation.sampling import SamplingParams, TokenSampler
 from dflash_server.generation.speculative import SpeculativeDecoder
@@ -438,3 +440,51 @@ def test_seeded_rows_keep_their_widths_under_max_verify(tiny_hybrid: tuple[Any, 
         for k in range(neighbours):
             assert tokens_of(out[k]) == tokens_of(make_decoder(model, inner, 8).generate(
                 ids[1 + k % 2], 24)), k  # fmt: skip
+
+
+def test_held_rows_keep_the_drafters_context_in_pieces(
+    tiny_hybrid: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows held to plain give the drafter their taps every ``FLUSH`` steps, evaluated with
+    the step: it then holds what a prefill of the same tokens gives, drafting resumes on it,
+    and the tokens stay plain decoding's, alone and batched."""
+    monkeypatch.setattr(row_module, "FLUSH", 3)
+    model, tokenizer = tiny_hybrid
+    draft = random_drafter(model)
+    prompt = list(tokenizer.encode(PROMPTS[0]))
+    ref = plain_greedy(model, prompt, 24)
+    held = [1] * 8 + [4, 1, 1, 1, 1, 1, 1, 1, 6]  # plain runs past FLUSH, then a draft
+
+    def make() -> SpeculativeDecoder:
+        return make_decoder(model, draft, 8, policy=Scripted(held))
+
+    alone = make()
+    assert tokens_of(alone.generate(prompt, 24)) == ref
+    out, _ = run_batched(model, {"a": (make, prompt, 24), "b": (make, prompt, 20)})
+    assert out["a"] == ref and out["b"] == ref[:20]
+
+    # Eight plain steps: two flushes of three; the last two steps' taps still wait.
+    row = make().row
+    steps = row_steps(row, prompt, 8)
+    flushed = [bool(c.upkeep) for c in steps]  # the prompt's context, then every third step
+    assert flushed == [True, False, False, True, False, False, True, False, False]
+    fresh = make().row
+    prefill_only = prompt + ref[:6]  # the positions flushed so far: the prompt and six steps
+    list(SpeculativeDecoder(fresh).generate(prefill_only, 1))
+    for mine, theirs in zip(row.draft_cache, fresh.draft_cache):
+        assert mine.offset == theirs.offset == len(prefill_only)
+        for a, b in zip(mine.fetch(), theirs.fetch()):
+            assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def row_steps(row: Row, prompt: list[int], n: int) -> list[Any]:
+    """The prefill's cycle and ``n`` plain steps of ``row`` alone, each read as the lone
+    decoder reads it."""
+    decoder = SpeculativeDecoder(row)
+    row.begin(prompt, n + 1)
+    cycles = [prefill(row)]
+    row.read(cycles[0])
+    for _ in range(n):
+        cycles.append(decoder._queue(Choice.width(1), row.last))
+        row.read(cycles[-1])
+    return cycles

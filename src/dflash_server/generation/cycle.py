@@ -7,14 +7,16 @@ host sync); ``Commit`` the tokens it committed, as the drivers hand them out. Ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
 
 from dflash_server.adaptive.policy import DRAFTER, Source
 
-FLUSH = 16  # plain steps whose taps are batched before they join the drafter's context
+# Plain steps whose taps wait to join the drafter's context in one append: each append is a
+# drafter call per row, and at 16 they cost a batch its rows hold to plain 3-6 % of its passes.
+FLUSH = 256
 
 
 @dataclass
@@ -64,10 +66,14 @@ class Cycle:
     confidence: tuple[float, ...] = ()  # a suffix copy's, for the controller's trust
     prefill: bool = False  # the prompt's first token: no cycle of the policy's
     inputs: mx.array | None = None  # the tokens fed to the verify: anchor, then the drafts
+    # The drafter context the step appended (a plain step's ``FLUSH``, a prompt's), evaluated
+    # with the cycle: left lazy, a row held to plain keeps every tap alive until it drafts
+    # again, which then pays for all of them.
+    upkeep: list[Any] = field(default_factory=list)
 
     def arrays(self) -> list[mx.array]:
         extra = [] if self.logprobs is None else [a for a in self.logprobs if a is not None]
-        return [self.result, *([] if self.taps is None else [self.taps]), *extra]
+        return [self.result, *([] if self.taps is None else [self.taps]), *extra, *self.upkeep]
 
 
 def terminate(commit: Commit, room: int, eos_ids: set[int] | frozenset[int]) -> Commit:

@@ -160,7 +160,8 @@ class Row:
             logits = self._process(logits, self.history(), None)
             first = self.sampler.sample(logits)
             result = mx.concatenate([mx.zeros((1,), mx.int32), first.astype(mx.int32)])
-        return Cycle(result, None, 1, self._logprobs(logits, first), prefill=True)
+        logprobs = self._logprobs(logits, first)
+        return Cycle(result, None, 1, logprobs, prefill=True, upkeep=self.draft_state())
 
     def keep_prefilled(self, done: int, checkpoints: dict[int, Checkpoint]) -> None:
         """Store the first ``done`` prompt tokens' state (the caches hold exactly that between
@@ -248,15 +249,18 @@ class Row:
         size = choice.size
         inputs = inputs.astype(mx.int32)
         if size == 1:
+            upkeep = []
             if self.draft is not None and taps is not None:
                 # The drafter needs every committed position; batch plain steps' taps.
                 self._context.append((taps, inputs))
                 if len(self._context) >= FLUSH:
                     self._flush_context()
+                    upkeep = self.draft_state()
             processed = self._process(logits, history, None)
             bonus = self.sampler.sample(processed)
             result = mx.concatenate([mx.zeros((1,), mx.int32), bonus.astype(mx.int32)])
-            return Cycle(result, None, 1, self._logprobs(processed, bonus), PLAIN)
+            logprobs = self._logprobs(processed, bonus)
+            return Cycle(result, None, 1, logprobs, PLAIN, upkeep=upkeep)
         drafts = inputs[1:]
         copied = choice.source == SUFFIX
         path: list[int] | mx.array = drafts
@@ -282,6 +286,8 @@ class Row:
         this row, a batch's share; else the time since the last read, unless not ``timed``),
         the committed positions' taps become drafter context; ``last`` is the next anchor,
         ``kept`` the verified positions the caches keep (the driver's rollback)."""
+        if cycle.prefill and cycle.upkeep:  # the prompt's drafter context: prefill work
+            mx.async_eval(*cycle.upkeep)
         values = cast("list[int]", cycle.result.tolist())
         now = time.perf_counter()
         if seconds is None and self._last_read is not None and timed:
