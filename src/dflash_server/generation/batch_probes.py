@@ -19,11 +19,12 @@ from dflash_server.adaptive.pass_costs import PassCosts, choose_widths
 from dflash_server.adaptive.policy import Choice
 from dflash_server.generation.row import Row
 
-_GAP, _MAX_GAP = 4, 256  # narrowed passes before the budget lets one through
+_GAP, _MAX_GAP = 4, 1024  # narrowed passes before the budget lets one through
 _HOLD = 8  # a gap from which narrowed rows decode plainly a while (they re-check less)
 # A probe's extra cost over a plain pass, at most this share of the gap's (a drafted pass of
-# 4 rows may cost 3 plain ones: a probe every few passes lost 5 %).
-_SHARE = 0.02
+# 4 rows may cost 3 plain ones: a probe every few passes lost 5 %; at 2 % a held batch of 8
+# rows still ran about 1 % slower than at 1 %).
+_SHARE = 0.01
 _OFF = math.log(1.5)  # a pass this much cheaper than estimated says the costs are off
 
 
