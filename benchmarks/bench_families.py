@@ -95,14 +95,15 @@ def prepare(args: argparse.Namespace) -> dict:
 
 def timed(runner: Runner, modes: dict, names: list[str], prompts, n: int, streams: int, rep: int):
     """Every prompt once, ``streams`` at a time, under each mode: each group of prompts runs
-    under every mode back to back (order rotated by ``rep``), so a slow moment of the machine
-    falls on all modes alike. Mode -> (outputs, totals)."""
+    under every mode at once, their passes in turn (``Runner.run_paired``), so a slow moment of
+    the machine falls on all modes alike. Mode -> (outputs, totals)."""
     keys = ("tokens", "seconds", "committed", "cycles", "suffix")
     out = {m: ([[] for _ in prompts], dict.fromkeys(keys, 0.0)) for m in names}
     for g, group in enumerate(groups(prompts, streams)):
-        turn = (rep + g) % len(names)
-        for mode in names[turn:] + names[:turn]:
-            got_outs, got = runner.run(*modes[mode], [prompts[i] for i in group], n)
+        paired = runner.run_paired(
+            {m: modes[m] for m in names}, [prompts[i] for i in group], n, rep + g
+        )
+        for mode, (got_outs, got) in paired.items():
             outs, total = out[mode]
             for i, tokens in zip(group, got_outs):
                 outs[i] = tokens

@@ -184,6 +184,77 @@ class Runner:
             "suffix": sum(s.sources["suffix"]["tokens"] for s in stats),
         }
 
+    def run_paired(
+        self,
+        modes: dict[str, tuple[str | None, BlockPolicy]],
+        prompts: list[list[int]],
+        n: int,
+        turn: int = 0,
+    ) -> dict[str, tuple[list[list[int]], dict[str, float]]]:
+        """``run`` under every mode at once (each its own batch): the batches step in turn, the
+        first to step rotating from ``turn`` on, each step timed alone, so a slow moment of this
+        shared machine falls on every mode alike. A mode's decode seconds are its own steps'
+        after the one that gave its last stream its first token."""
+        live = {}
+        for mode, (drafter, block) in modes.items():
+            pair = replace(self.pairs[drafter], suffix_index=SharedSuffixIndex(SUFFIX_INDEX_BYTES))
+            runs = [Generation(pair, GenerationRequest(tuple(p), n, block=block)) for p in prompts]
+            batch = self.batches[drafter]
+            for g in runs:
+                batch.add(g.row, g.prompt, n, g.eos_ids)
+            live[mode] = (batch, runs, _Steps(len(prompts)))
+        assert len({id(b) for b, _, _ in live.values()}) == len(live), "one batch per mode"
+        names = list(live)
+        while any(batch.busy for batch, _, _ in live.values()):
+            turn += 1
+            for mode in names[turn % len(names) :] + names[: turn % len(names)]:
+                batch, runs, steps = live[mode]
+                if batch.busy:
+                    start = time.perf_counter()
+                    out = batch.step()
+                    steps.add(
+                        time.perf_counter() - start, {g.row: i for i, g in enumerate(runs)}, out
+                    )
+        return {
+            mode: steps.result([g.row.stats for g in runs])
+            for mode, (_, runs, steps) in live.items()
+        }
+
+
+class _Steps:
+    """One mode's steps in ``Runner.run_paired``: each stream's tokens and, per step, its
+    seconds and the tokens it committed."""
+
+    def __init__(self, streams: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(streams)]
+        self.first: list[int | None] = [None] * streams  # the step of each stream's first token
+        self.seconds: list[float] = []
+        self.committed: list[int] = []
+
+    def add(self, seconds: float, index: dict[Any, int], out: dict[Any, Any]) -> None:
+        count = 0
+        for row, commit in out.items():
+            assert not isinstance(commit, Exception), commit
+            if commit.tokens:
+                i = index[row]
+                if self.first[i] is None:
+                    self.first[i] = len(self.seconds)
+                self.tokens[i].extend(commit.tokens)
+                count += len(commit.tokens)
+        self.seconds.append(seconds)
+        self.committed.append(count)
+
+    def result(self, stats: list[Any]) -> tuple[list[list[int]], dict[str, float]]:
+        # Decode phase: the steps after every stream has its first token (a row may end at once).
+        begin = max(f for f in self.first if f is not None) + 1
+        return self.tokens, {
+            "tokens": sum(self.committed[begin:]),
+            "seconds": sum(self.seconds[begin:]),
+            "committed": sum(s.accepted + s.cycles for s in stats),
+            "cycles": sum(s.cycles for s in stats),
+            "suffix": sum(s.sources["suffix"]["tokens"] for s in stats),
+        }
+
 
 def groups(prompts: list[list[int]], streams: int) -> list[list[int]]:
     """Prompt indices in groups of ``streams`` (cycling), covering every prompt once."""

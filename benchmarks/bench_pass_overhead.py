@@ -2,9 +2,9 @@
 
 On the families' trained pair (``bench_families.py --stages fit`` writes WORK), three batches
 of the same ``--streams`` long rows run side by side: plain decoding (no drafter), the drafter's
-rows at fixed width 1 (its upkeep alone: taps kept, context appended) and ``auto``. Their steps
-alternate one by one, so a slow moment of this shared machine falls on all three alike, which
-whole-run ratios (``bench_families.py``) cannot promise. Reported per mode: the median and mean
+rows held at width 1 (its upkeep alone: taps kept, context appended) and ``auto``. Their steps
+alternate one by one, the first to step rotating, so a slow moment of this shared machine falls
+on all three alike. Reported per mode: the median and mean
 seconds of its plain passes, and ``auto``'s drafted passes (its probes) apart. EOS is ignored:
 every row runs ``--tokens`` tokens.
 
@@ -25,6 +25,7 @@ import mlx_lm
 from bench_families import FAMILIES
 from bench_mtp import Runner
 from common import write_json
+from dflash_server.adaptive.policy import FixedBlock
 from dflash_server.drafters.registry import load_drafter
 from dflash_server.drafters.suffix import SharedSuffixIndex
 from dflash_server.generation.batch import BatchDecoder
@@ -38,7 +39,7 @@ def batches(runner: Runner, family: str, prompts: list[list[int]], n: int) -> di
     width = runner.pairs[family].draft.config.block_size
     modes = {
         "plain": (None, BlockPolicy(1), runner.batches[None]),
-        "width 1": (family, BlockPolicy(1), BatchDecoder(runner.batches[family].target)),
+        "width 1": (family, BlockPolicy(width), BatchDecoder(runner.batches[family].target)),
         "auto": (family, BlockPolicy(width, auto=True), runner.batches[family]),
     }
     out = {}
@@ -46,6 +47,8 @@ def batches(runner: Runner, family: str, prompts: list[list[int]], n: int) -> di
         pair = replace(runner.pairs[name], suffix_index=SharedSuffixIndex(1 << 20))
         for prompt in prompts:
             run = Generation(pair, GenerationRequest(tuple(prompt), n, block=block))
+            if mode == "width 1":  # (a request of width 1 runs no drafter: no upkeep either)
+                run.row.policy = FixedBlock(1)
             batch.add(run.row, run.prompt, n, set())  # no EOS: every row runs n tokens
         while batch.prefilling or batch.waiting:  # (a prefilled row joins at its step's end)
             batch.step()
@@ -58,8 +61,11 @@ def measure(runner: Runner, family: str, prompts, n: int, rounds: int) -> dict:
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
         held = batches(runner, family, prompts, n)
+        modes = list(held)
         while all(batch.busy for batch in held.values()):
-            for mode, batch in held.items():
+            first = len(times.get("plain", [])) % len(modes)
+            for mode in modes[first:] + modes[:first]:
+                batch = held[mode]
                 start = time.perf_counter()
                 batch.step()
                 seconds = time.perf_counter() - start
