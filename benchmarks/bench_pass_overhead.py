@@ -5,7 +5,8 @@ of the same ``--streams`` long rows run side by side: plain decoding (no drafter
 rows held at width 1 (its upkeep alone: taps kept, context appended) and ``auto``. Their steps
 alternate one by one, the first to step rotating, so a slow moment of this shared machine falls
 on all three alike. Reported per mode: the median and mean
-seconds of its plain passes, and ``auto``'s drafted passes (its probes) apart. EOS is ignored:
+seconds of its plain passes, ``auto``'s drafted passes (its probes) apart, and its tokens per
+second over all its passes against plain decoding's (``whole_vs_plain``). EOS is ignored:
 every row runs ``--tokens`` tokens.
 
     LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 python benchmarks/bench_pass_overhead.py \\
@@ -57,8 +58,10 @@ def batches(runner: Runner, family: str, prompts: list[list[int]], n: int) -> di
 
 
 def measure(runner: Runner, family: str, prompts, n: int, rounds: int) -> dict:
-    """Steps of the three batches alternating; seconds by mode and pass kind."""
+    """Steps of the three batches alternating; seconds by mode and pass kind, and each mode's
+    tokens per second over all its passes against plain decoding's (``whole_vs_plain``)."""
     times: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
     for _ in range(rounds):
         held = batches(runner, family, prompts, n)
         modes = list(held)
@@ -67,8 +70,9 @@ def measure(runner: Runner, family: str, prompts, n: int, rounds: int) -> dict:
             for mode in modes[first:] + modes[:first]:
                 batch = held[mode]
                 start = time.perf_counter()
-                batch.step()
+                out = batch.step()
                 seconds = time.perf_counter() - start
+                tokens[mode] = tokens.get(mode, 0) + sum(len(c.tokens) for c in out.values())
                 rows, positions = batch.last_pass
                 kind = mode if positions <= rows else f"{mode} (drafted)"
                 times.setdefault(kind, []).append(seconds)
@@ -76,7 +80,12 @@ def measure(runner: Runner, family: str, prompts, n: int, rounds: int) -> dict:
             while batch.busy:
                 batch.step()
     plain = statistics.median(times["plain"])
-    return {
+
+    def rate(mode: str) -> float:
+        return tokens[mode] / sum(sum(v) for k, v in times.items() if k.startswith(mode))
+
+    whole = {mode: round(rate(mode) / rate("plain"), 3) for mode in tokens if mode != "plain"}
+    return {"whole_vs_plain": whole} | {
         kind: {
             "passes": len(v),
             "median_ms": round(1e3 * statistics.median(v), 3),
@@ -106,7 +115,10 @@ def main() -> None:
         for streams in args.streams:
             got = measure(runner, family, prompts[:streams], args.tokens, args.rounds)
             result["runs"].append({"family": family, "streams": streams, "modes": got})
-            line = ", ".join(f"{k} {v['median_ms']} ms ({v['passes']})" for k, v in got.items())
+            whole = ", ".join(f"{k} {v}x" for k, v in got["whole_vs_plain"].items())
+            kinds = [(k, v) for k, v in got.items() if k != "whole_vs_plain"]
+            line = ", ".join(f"{k} {v['median_ms']} ms ({v['passes']})" for k, v in kinds)
+            line += f"; tok/s vs plain: {whole}"
             print(f"{family} x{streams}: {line}", flush=True)
     write_json(args.json, result)
 
