@@ -202,41 +202,38 @@ class Runner:
             batch = self.batches[drafter]
             for g in runs:
                 batch.add(g.row, g.prompt, n, g.eos_ids)
-            live[mode] = (batch, runs, _Steps(len(prompts)))
-        assert len({id(b) for b, _, _ in live.values()}) == len(live), "one batch per mode"
+            live[mode] = (batch, _Steps(runs))
+        assert len({id(b) for b, _ in live.values()}) == len(live), "one batch per mode"
         names = list(live)
-        while any(batch.busy for batch, _, _ in live.values()):
+        while any(batch.busy for batch, _ in live.values()):
             turn += 1
             for mode in names[turn % len(names) :] + names[: turn % len(names)]:
-                batch, runs, steps = live[mode]
+                batch, steps = live[mode]
                 if batch.busy:
                     start = time.perf_counter()
                     out = batch.step()
-                    steps.add(
-                        time.perf_counter() - start, {g.row: i for i, g in enumerate(runs)}, out
-                    )
-        return {
-            mode: steps.result([g.row.stats for g in runs])
-            for mode, (_, runs, steps) in live.items()
-        }
+                    steps.add(time.perf_counter() - start, out)
+        return {mode: steps.result() for mode, (_, steps) in live.items()}
 
 
 class _Steps:
     """One mode's steps in ``Runner.run_paired``: each stream's tokens and, per step, its
     seconds and the tokens it committed."""
 
-    def __init__(self, streams: int) -> None:
-        self.tokens: list[list[int]] = [[] for _ in range(streams)]
-        self.first: list[int | None] = [None] * streams  # the step of each stream's first token
+    def __init__(self, runs: list[Generation]) -> None:
+        self.runs = runs
+        self.index = {g.row: i for i, g in enumerate(runs)}
+        self.tokens: list[list[int]] = [[] for _ in runs]
+        self.first: list[int | None] = [None] * len(runs)  # each stream's first token's step
         self.seconds: list[float] = []
         self.committed: list[int] = []
 
-    def add(self, seconds: float, index: dict[Any, int], out: dict[Any, Any]) -> None:
+    def add(self, seconds: float, out: dict[Any, Any]) -> None:
         count = 0
         for row, commit in out.items():
             assert not isinstance(commit, Exception), commit
             if commit.tokens:
-                i = index[row]
+                i = self.index[row]
                 if self.first[i] is None:
                     self.first[i] = len(self.seconds)
                 self.tokens[i].extend(commit.tokens)
@@ -244,9 +241,10 @@ class _Steps:
         self.seconds.append(seconds)
         self.committed.append(count)
 
-    def result(self, stats: list[Any]) -> tuple[list[list[int]], dict[str, float]]:
+    def result(self) -> tuple[list[list[int]], dict[str, float]]:
         # Decode phase: the steps after every stream has its first token (a row may end at once).
         begin = max(f for f in self.first if f is not None) + 1
+        stats = [g.row.stats for g in self.runs]
         return self.tokens, {
             "tokens": sum(self.committed[begin:]),
             "seconds": sum(self.seconds[begin:]),

@@ -4,10 +4,10 @@ On the families' trained pair (``bench_families.py --stages fit`` writes WORK), 
 of the same ``--streams`` long rows run side by side: plain decoding (no drafter), the drafter's
 rows held at width 1 (its upkeep alone: taps kept, context appended) and ``auto``. Their steps
 alternate one by one, the first to step rotating, so a slow moment of this shared machine falls
-on all three alike. Reported per mode: the median and mean
-seconds of its plain passes, ``auto``'s drafted passes (its probes) apart, and its tokens per
-second over all its passes against plain decoding's (``whole_vs_plain``). EOS is ignored:
-every row runs ``--tokens`` tokens.
+on all three alike. Reported per mode: the median and mean seconds of its plain passes,
+``auto``'s drafted passes (its probes) apart, and its tokens per second over all its passes
+against plain decoding's (``whole_vs_plain``). EOS is ignored: every row runs ``--tokens``
+tokens.
 
     LD_PRELOAD=/lib/x86_64-linux-gnu/libopenblas.so.0 python benchmarks/bench_pass_overhead.py \\
         --work /tmp/families --json /tmp/overhead.json
