@@ -156,33 +156,9 @@ class Runner:
         self, drafter: str | None, block: BlockPolicy, prompts: list[list[int]], n: int
     ) -> tuple[list[list[int]], dict[str, float]]:
         """All ``prompts`` as concurrent rows; their tokens, and the run's committed tokens,
-        target cycles (per row), suffix-copied tokens, decode seconds."""
-        batch = self.batches[drafter]
-        # The pair seen with an empty index of recent outputs: nothing from other runs.
-        pair = replace(self.pairs[drafter], suffix_index=SharedSuffixIndex(SUFFIX_INDEX_BYTES))
-        runs = [Generation(pair, GenerationRequest(tuple(p), n, block=block)) for p in prompts]
-        index = {g.row: i for i, g in enumerate(runs)}
-        for g in runs:
-            batch.add(g.row, g.prompt, n, g.eos_ids)
-        tokens: list[list[int]] = [[] for _ in prompts]
-        arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]
-        while batch.busy:  # as the engine's round
-            for row, commit in batch.step().items():
-                assert not isinstance(commit, Exception), commit
-                if commit.tokens:
-                    arrivals[index[row]].append((time.perf_counter(), len(commit.tokens)))
-                    tokens[index[row]].extend(commit.tokens)
-        # Decode phase: once every stream has its first token (prefills done), to the end.
-        begin = max(a[0][0] for a in arrivals if a)  # a row may end at once (its EOS)
-        end = max(a[-1][0] for a in arrivals if a)
-        stats = [g.row.stats for g in runs]
-        return tokens, {
-            "tokens": sum(k for a in arrivals for t, k in a if t > begin),
-            "seconds": end - begin,
-            "committed": sum(s.accepted + s.cycles for s in stats),
-            "cycles": sum(s.cycles for s in stats),
-            "suffix": sum(s.sources["suffix"]["tokens"] for s in stats),
-        }
+        target cycles (per row), suffix-copied tokens, decode seconds (``run_paired``'s, one
+        mode)."""
+        return self.run_paired({"run": (drafter, block)}, prompts, n)["run"]
 
     def run_paired(
         self,
@@ -197,6 +173,7 @@ class Runner:
         after the one that gave its last stream its first token."""
         live = {}
         for mode, (drafter, block) in modes.items():
+            # The pair seen with an empty index of recent outputs: nothing from other runs.
             pair = replace(self.pairs[drafter], suffix_index=SharedSuffixIndex(SUFFIX_INDEX_BYTES))
             runs = [Generation(pair, GenerationRequest(tuple(p), n, block=block)) for p in prompts]
             batch = self.batches[drafter]
